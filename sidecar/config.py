@@ -1,0 +1,107 @@
+"""Sidecar configuration: one pydantic model per concern, every field typed, bounded and documented.
+
+The sidecar reads it from a JSON or YAML file (`--config`); mesh-config generates that file.
+Unknown keys are errors, so a typo fails at start with the field's name instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """One model of the pool's ladder, as vLLM loads it."""
+
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    """The id clients see in responses and `/v1/models`."""
+    path: str
+    """Local checkpoint directory (or a hub id where the machine can reach a hub)."""
+    aliases: list[str] = []
+    """Extra names accepted in a request's `model` field."""
+    max_model_len: Annotated[int, Field(gt=0, le=1_048_576)] = 2048
+    """Longest prompt plus completion, in tokens."""
+    kv_cache_bytes: Annotated[int, Field(gt=0)] = 256 << 20
+    """KV-cache size. On CPU it is RAM; an explicit size also skips vLLM's warm-up profiling."""
+    max_num_seqs: Annotated[int, Field(gt=0, le=4096)] = 32
+    """Sequences vLLM batches at once."""
+    dtype: str = "auto"
+    """vLLM dtype (`auto`, `bfloat16`, `float16`, `float32`)."""
+
+
+class ServerConfig(_Strict):
+    """Where the fronts listen and what they accept."""
+
+    host: str = "127.0.0.1"
+    """Bind address of the serving ports."""
+    http_port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    """OpenAI-compatible HTTP front."""
+    grpc_port: Annotated[int, Field(ge=0, le=65535)] = 50051
+    """gRPC front (infermesh.v1.Inference, grpc.health.v1)."""
+    max_body_bytes: Annotated[int, Field(gt=0)] = 4 << 20
+    """Largest HTTP request body / gRPC message accepted."""
+    max_concurrent_requests: Annotated[int, Field(gt=0)] = 256
+    """Requests in flight across both fronts; more get 429 / RESOURCE_EXHAUSTED."""
+    default_max_tokens: Annotated[int, Field(gt=0)] = 256
+    """Completion length when a request does not say."""
+    drain_grace_s: Annotated[float, Field(ge=0, le=3600)] = 20.0
+    """On SIGTERM, how long in-flight streams may take to finish."""
+
+
+class SidecarConfig(_Strict):
+    """A sidecar serves one GPU pool."""
+
+    pool: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+    """The pool this sidecar serves (reported in every response)."""
+    instance: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")] = "0"
+    """This replica's id within the pool."""
+    models: Annotated[list[ModelConfig], Field(min_length=1)]
+    """The model ladder: primary first, lighter fallbacks after it."""
+    server: ServerConfig = ServerConfig()
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        seen: set[str] = set()
+        for m in models:
+            for n in [m.name, *m.aliases]:
+                if n in seen:
+                    raise ValueError(f"model name or alias {n!r} is used twice")
+                seen.add(n)
+        return models
+
+    @property
+    def served_by(self) -> str:
+        return f"{self.pool}/{self.instance}"
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message names the file and the field."""
+
+
+def load_config(path: str | Path) -> SidecarConfig:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e.strerror}") from e
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from e
+    try:
+        return SidecarConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [f"{p}: invalid sidecar config:"]
+        for err in e.errors():
+            field = ".".join(str(x) for x in err["loc"]) or "(root)"
+            lines.append(f"  {field}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from e

@@ -1,0 +1,282 @@
+"""OpenAI-compatible HTTP front: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+
+Streams are Server-Sent Events written as tokens arrive, with `X-Accel-Buffering: no` so no
+proxy holds them back. Every response says who served it: `x-infermesh-model`,
+`x-infermesh-degraded`, `x-infermesh-served-by`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+
+from .engine import Completion, EngineManager, GenerationRequest, TokenDelta
+from .errors import BadRequest, PayloadTooLarge, SidecarError
+from .metrics import SidecarMetrics
+
+log = logging.getLogger("infermesh.sidecar.http")
+
+
+def _error_response(e: SidecarError) -> JSONResponse:
+    headers = {}
+    if e.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, int(round(e.retry_after_s))))
+    return JSONResponse(e.openai_body(), status_code=e.http_status, headers=headers)
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    return data
+
+
+def _opt_number(body: dict, key: str, kind: type, lo: float | None = None, hi: float | None = None) -> Any:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise BadRequest(f"`{key}` must be a {'integer' if kind is int else 'number'}", param=key)
+    v = kind(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise BadRequest(f"`{key}` must be between {lo} and {hi}", param=key)
+    return v
+
+
+def _parse_common(body: dict, api: str) -> GenerationRequest:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("`model` must be a string", param="model")
+    n = _opt_number(body, "n", int, 1, 1)
+    del n  # n > 1 is rejected above until multi-choice streaming lands
+    max_tokens = _opt_number(body, "max_completion_tokens", int, 1) or _opt_number(body, "max_tokens", int, 1)
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
+        raise BadRequest("`stop` must be a string or a list of up to 4 strings", param="stop")
+    req = GenerationRequest(
+        model=model,
+        max_tokens=max_tokens,
+        temperature=_opt_number(body, "temperature", float, 0, 2),
+        top_p=_opt_number(body, "top_p", float, 0, 1),
+        seed=_opt_number(body, "seed", int),
+        stop=stop,
+    )
+    if api == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("`messages` must be a non-empty list", param="messages")
+        clean = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest(f"`messages[{i}]` must be an object with a `role`", param=f"messages[{i}]")
+            content = m.get("content", "")
+            if isinstance(content, list):  # the content-parts form: keep the text parts
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            if not isinstance(content, str):
+                raise BadRequest(f"`messages[{i}].content` must be a string or text parts", param=f"messages[{i}].content")
+            clean.append({"role": m["role"], "content": content})
+        req.messages = clean
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise BadRequest("`prompt` must be a string", param="prompt")
+        req.prompt = prompt
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("`stream` must be a boolean", param="stream")
+    return req
+
+
+def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
+    cfg = engine.config
+    app = FastAPI(title="infermesh sidecar", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def identity_headers(model: str) -> dict[str, str]:
+        return {
+            "x-infermesh-model": model,
+            "x-infermesh-degraded": "false",
+            "x-infermesh-served-by": cfg.served_by,
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.ready:
+            return JSONResponse({"status": "ok", "pool": cfg.pool, "served_by": cfg.served_by})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        metrics.inflight.set(engine.inflight)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        now = int(time.time())
+        data = [{"id": name, "object": "model", "created": now, "owned_by": "infermesh"} for name in engine.model_ids()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def serve(request: Request, api: str) -> Response:
+        request_class = request.headers.get("x-infermesh-class", "")
+        try:
+            body = await _read_json(request, cfg.server.max_body_bytes)
+            req = _parse_common(body, api)
+            req.request_class = request_class
+            stream = bool(body.get("stream", False))
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if stream else False
+            _, model = engine.admit(req)
+        except SidecarError as e:
+            metrics.requests.labels("http", api, request_class, str(e.http_status)).inc()
+            return _error_response(e)
+        created = int(time.time())
+        rid = ("chatcmpl-" if api == "chat" else "cmpl-") + req.request_id
+        events = engine.stream(req, model)
+        started = time.monotonic()
+        if stream:
+            gen = _sse(api, rid, created, model.name, events, include_usage, metrics, request_class, started, cfg.served_by)
+            headers = identity_headers(model.name) | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            release = BackgroundTask(engine.release, req.request_id)
+            return StreamingResponse(gen, media_type="text/event-stream", headers=headers, background=release)
+        text: list[str] = []
+        final: Completion | None = None
+        first = True
+        try:
+            async for ev in events:
+                if isinstance(ev, TokenDelta):
+                    if first:
+                        metrics.ttft.labels("http", request_class).observe(time.monotonic() - started)
+                        first = False
+                    text.append(ev.text)
+                else:
+                    final = ev
+        except SidecarError as e:
+            metrics.requests.labels("http", api, request_class, str(e.http_status)).inc()
+            return _error_response(e)
+        finally:
+            await engine.release(req.request_id)
+        if final is None:  # the engine ended a stream without its final event: a bug, not the client's fault
+            metrics.requests.labels("http", api, request_class, "500").inc()
+            return _error_response(SidecarError("generation ended without a result"))
+        _count(metrics, final)
+        metrics.requests.labels("http", api, request_class, "200").inc()
+        content = "".join(text)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason, "logprobs": None}
+        if api == "chat":
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice["text"] = content
+        out = {
+            "id": rid,
+            "object": "chat.completion" if api == "chat" else "text_completion",
+            "created": created,
+            "model": final.model,
+            "choices": [choice],
+            "usage": _usage(final, cfg.served_by),
+        }
+        return JSONResponse(out, headers=identity_headers(final.model))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await serve(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, "completions")
+
+    return app
+
+
+def _usage(final: Completion, served_by: str) -> dict:
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "infermesh": {
+            "model": final.model,
+            "degraded": final.degraded,
+            "degraded_reason": final.degraded_reason or None,
+            "served_by": served_by,
+        },
+    }
+
+
+def _count(metrics: SidecarMetrics, final: Completion) -> None:
+    metrics.prompt_tokens.labels(final.model).inc(final.prompt_tokens)
+    metrics.completion_tokens.labels(final.model).inc(final.completion_tokens)
+
+
+async def _sse(
+    api: str,
+    rid: str,
+    created: int,
+    model: str,
+    events: AsyncIterator[TokenDelta | Completion],
+    include_usage: bool,
+    metrics: SidecarMetrics,
+    request_class: str,
+    started: float,
+    served_by: str,
+) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if api == "chat" else "text_completion"
+
+    def chunk(choice: dict, usage: dict | None = None) -> bytes:
+        payload: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice] if choice else []}
+        if include_usage:
+            payload["usage"] = usage
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+    status = "200"
+    first = True
+    try:
+        if api == "chat":
+            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        async for ev in events:
+            if isinstance(ev, TokenDelta):
+                if first:
+                    metrics.ttft.labels("http", request_class).observe(time.monotonic() - started)
+                    first = False
+                if api == "chat":
+                    yield chunk({"index": 0, "delta": {"content": ev.text}, "logprobs": None, "finish_reason": None})
+                else:
+                    yield chunk({"index": 0, "text": ev.text, "logprobs": None, "finish_reason": None})
+            else:
+                _count(metrics, ev)
+                if api == "chat":
+                    yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason})
+                else:
+                    yield chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": ev.finish_reason})
+                if include_usage:
+                    yield chunk({}, _usage(ev, served_by))
+        yield b"data: [DONE]\n\n"
+    except SidecarError as e:
+        # Headers are gone already: report the error in-band, as OpenAI does, and end the stream.
+        status = str(e.http_status)
+        yield b"data: " + json.dumps(e.openai_body()).encode() + b"\n\n"
+    except BaseException:
+        status = "499"  # the client went away (nginx's convention)
+        raise
+    finally:
+        metrics.requests.labels("http", api, request_class, status).inc()
+

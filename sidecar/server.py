@@ -1,0 +1,141 @@
+"""Sidecar process: one vLLM engine, its gRPC and OpenAI HTTP fronts, in one asyncio loop.
+
+    python -m infermesh.sidecar.server --config sidecar.yaml
+
+SIGTERM or SIGINT drains: health turns NOT_SERVING, new requests get 503/UNAVAILABLE, in-flight
+streams get `drain_grace_s` to finish, then the engine and its worker processes stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+
+import uvicorn
+from grpc_health.v1 import health_pb2
+
+from .config import ConfigError, load_config
+from .engine import EngineManager
+from .grpc_api import INFERENCE_SERVICE, start_grpc
+from .http_api import build_app
+from .metrics import SidecarMetrics
+
+log = logging.getLogger("infermesh.sidecar")
+
+_STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, and any `extra=` fields."""
+
+    def __init__(self, static: dict | None = None):
+        super().__init__()
+        self.static = static or {}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+            **self.static,
+        }
+        out.update({k: v for k, v in vars(record).items() if k not in _STD_ATTRS})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(static: dict) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(static))
+    root = logging.getLogger("infermesh")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: this process drains on its own terms."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def run(config_path: str) -> int:
+    try:
+        config = load_config(config_path)
+    except ConfigError as e:
+        print(f"infermesh-sidecar: {e}", file=sys.stderr)
+        return 2
+    setup_logging({"pool": config.pool, "instance_id": config.instance})
+    metrics = SidecarMetrics(config.pool, config.instance)
+    engine = EngineManager(config)
+    log.info("loading model", extra={"model": engine.primary.name, "path": engine.primary.path})
+    engine.start()
+    metrics.model_load.labels(engine.primary.name).set(engine.load_seconds or 0)
+
+    grpc_server, health_servicer, grpc_port = await start_grpc(engine, metrics)
+    http = _Uvicorn(
+        uvicorn.Config(
+            build_app(engine, metrics),
+            host=config.server.host,
+            port=config.server.http_port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(config.server.drain_grace_s) + 1,
+        )
+    )
+    http_task = asyncio.create_task(http.serve())
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.05)
+    if http_task.done():
+        log.error("HTTP front failed to start")
+        await grpc_server.stop(0)
+        engine.shutdown()
+        return 1
+    log.info(
+        "serving",
+        extra={"http_port": config.server.http_port, "grpc_port": grpc_port, "model": engine.primary.name},
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    # Drain: stop advertising, refuse new work, let in-flight streams finish.
+    log.info("draining", extra={"in_flight": engine.inflight, "grace_s": config.server.drain_grace_s})
+    engine.begin_drain()
+    for name in ("", INFERENCE_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    deadline = time.monotonic() + config.server.drain_grace_s
+    while engine.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    http.should_exit = True
+    await grpc_server.stop(1.0)
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(http_task, timeout=5)
+    engine.shutdown()
+    log.info("stopped", extra={"left_in_flight": engine.inflight})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="infermesh-sidecar")
+    parser.add_argument("--config", required=True, help="sidecar config file (YAML or JSON)")
+    args = parser.parse_args(argv)
+    return asyncio.run(run(args.config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
