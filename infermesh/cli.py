@@ -15,6 +15,72 @@ def _cmd_models_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    import signal
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from infermesh.meshconfig.local_mesh import LocalMeshPlan
+
+    from .launcher import LaunchError, LocalMesh
+    from .models import build_all
+
+    def say(msg: str) -> None:
+        print(f"infermesh: {msg}", file=sys.stderr, flush=True)
+
+    build_all()
+    plan = LocalMeshPlan(listen_port=args.port, admin_port=args.admin_port)
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="infermesh-run-"))
+    mesh = LocalMesh(plan, run_dir)
+    stopping = False
+
+    def on_signal(signum, _frame):
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    t0 = time.monotonic()
+    try:
+        mesh.start(progress=say)
+    except LaunchError as e:
+        say(f"failed to start: {e}")
+        return 1
+    except KeyboardInterrupt:
+        say("interrupted while starting; stopping")
+        mesh.stop()
+        return 130
+    say(f"mesh up in {time.monotonic() - t0:.1f}s; logs and generated configs in {run_dir}")
+    print(
+        f"""
+OpenAI API: {mesh.base_url}/v1   (model: "tiny-llama")
+
+  curl -sN {mesh.base_url}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model":"tiny-llama","stream":true,"max_tokens":16,"messages":[{{"role":"user","content":"Hello!"}}]}}'
+
+Chat goes to the interactive pool, everything else to the batch pool; the response headers
+x-infermesh-served-by and x-infermesh-model say which sidecar and model served. Ctrl-C stops.
+""",
+        flush=True,
+    )
+    try:
+        while True:
+            for c in mesh.children:
+                if c.proc.poll() is not None:
+                    say(f"{c.name} exited with code {c.proc.returncode}; stopping the mesh\n{c.tail()}")
+                    mesh.stop()
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        say("stopping")
+        mesh.stop()
+        say("stopped")
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="infermesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -25,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--dir", help="output directory (default: $INFERMESH_HOME/models)")
     build.add_argument("--force", action="store_true", help="rebuild even if up to date")
     build.set_defaults(func=_cmd_models_build)
+
+    up = sub.add_parser("up", help="run the local mesh: Envoy + filter + one sidecar per pool, on 127.0.0.1")
+    up.add_argument("--port", type=int, default=8080, help="mesh listener port (default 8080)")
+    up.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port, 127.0.0.1 only (default 9901)")
+    up.add_argument("--run-dir", help="where logs and generated configs go (default: a new temp dir)")
+    up.set_defaults(func=_cmd_up)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -50,7 +50,7 @@ def _wasm_filter(m: MeshListener) -> dict:
                 "root_id": "infermesh",
                 # Fail closed would turn a filter problem into an outage of every pool; open
                 # lets the default route serve while the failure shows in the logs and stats.
-                "fail_open": True,
+                "failure_policy": "FAIL_OPEN",
                 "configuration": {
                     "@type": "type.googleapis.com/google.protobuf.StringValue",
                     "value": json.dumps(m.filter_config, separators=(",", ":")),

@@ -1,0 +1,144 @@
+"""e2e: the real local mesh (Envoy + compiled filter + two vLLM sidecars), real clients.
+
+Which sidecar served is proven by what the sidecars themselves report: their own request and
+token counters on /metrics (read straight from each sidecar, not through Envoy) and the
+`served_by` they put in the response, never the filter's request header.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.e2e
+
+
+def counter(mesh, pool: str, name: str, **labels) -> float:
+    """Sum of a counter on one sidecar's own /metrics, over series matching `labels`."""
+    with urllib.request.urlopen(mesh.sidecar_url(pool) + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+        if not m:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+@pytest.fixture(scope="module")
+def client(local_mesh):
+    return openai.OpenAI(base_url=local_mesh.base_url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def test_openai_sdk_streams_chat_through_envoy_from_the_interactive_pool(local_mesh, client):
+    chat_before = {p: counter(local_mesh, p, "infermesh_sidecar_requests_total", api="chat") for p in ("interactive", "batch")}
+    tokens_before = counter(local_mesh, "interactive", "infermesh_sidecar_completion_tokens_total")
+
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Write a short poem about the sea."}],
+        stream=True,
+        max_tokens=24,
+        temperature=0,
+        stream_options={"include_usage": True},
+    )
+    assert raw.headers["x-infermesh-served-by"] == "interactive/0"
+    pieces, usage, finish = [], None, None
+    for chunk in raw.parse():
+        if chunk.usage:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if ch.delta.content:
+                pieces.append(ch.delta.content)
+            finish = ch.finish_reason or finish
+    text = "".join(pieces)
+    assert len(pieces) >= 2, "tokens arrive as several SSE events, not one buffered body"
+    assert text and finish == "length"
+    assert usage.completion_tokens == 24
+    assert usage.model_extra["infermesh"]["served_by"] == "interactive/0"
+    assert usage.model_extra["infermesh"]["model"] == "tiny-llama-large"
+
+    # The interactive sidecar itself counted this chat request and its 24 tokens; batch did not.
+    assert counter(local_mesh, "interactive", "infermesh_sidecar_requests_total", api="chat") == chat_before["interactive"] + 1
+    assert counter(local_mesh, "batch", "infermesh_sidecar_requests_total", api="chat") == chat_before["batch"]
+    assert counter(local_mesh, "interactive", "infermesh_sidecar_completion_tokens_total") == tokens_before + 24
+
+    # The tokens are vLLM's: greedy decoding straight from the interactive sidecar gives the same text.
+    direct = openai.OpenAI(base_url=local_mesh.sidecar_url("interactive") + "/v1", api_key="unused", max_retries=0)
+    same = direct.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "Write a short poem about the sea."}], max_tokens=24, temperature=0
+    )
+    assert same.choices[0].message.content == text
+
+
+def test_completions_are_served_by_the_batch_pool(local_mesh, client):
+    before = {p: counter(local_mesh, p, "infermesh_sidecar_requests_total", api="completions") for p in ("interactive", "batch")}
+    raw = client.completions.with_raw_response.create(model="tiny-llama", prompt="Summarize: the mesh routes", max_tokens=8)
+    done = raw.parse()
+    assert done.model == "tiny-llama-small"
+    assert done.usage.completion_tokens == 8 and done.choices[0].text
+    assert raw.headers["x-infermesh-served-by"] == "batch/0"
+    assert counter(local_mesh, "batch", "infermesh_sidecar_requests_total", api="completions") == before["batch"] + 1
+    assert counter(local_mesh, "interactive", "infermesh_sidecar_requests_total", api="completions") == before["interactive"]
+
+
+def test_a_client_cannot_pick_its_pool(local_mesh):
+    before = counter(local_mesh, "interactive", "infermesh_sidecar_requests_total", api="completions")
+    r = httpx.post(
+        local_mesh.base_url + "/v1/completions",
+        json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
+        headers={"x-infermesh-pool": "interactive", "x-infermesh-class": "interactive"},
+        timeout=30,
+    )
+    assert r.status_code == 200
+    assert r.json()["usage"]["infermesh"]["served_by"] == "batch/0"
+    assert counter(local_mesh, "interactive", "infermesh_sidecar_requests_total", api="completions") == before
+
+
+def test_errors_through_the_mesh_are_openai_errors(local_mesh, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    r = httpx.post(local_mesh.base_url + "/v1/chat/completions", content=b"{broken", headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_grpc_client_streams_tokens_from_generate(local_mesh):
+    pool = next(p for p in local_mesh.plan.pools if p.name == "interactive")
+    with grpc.insecure_channel(f"127.0.0.1:{pool.grpc_port}") as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="infermesh.v1.Inference"), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = pb_grpc.InferenceStub(ch)
+        call = stub.Generate(
+            pb.GenerateRequest(
+                chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hello!")]), max_tokens=12, temperature=0
+            ),
+            timeout=60,
+        )
+        chunks, finals = [], []
+        for msg in call:
+            (chunks if msg.HasField("chunk") else finals).append(msg)
+        trailers = dict(call.trailing_metadata())
+    assert len(chunks) >= 2 and all(c.chunk.token_ids for c in chunks)
+    assert len(finals) == 1 and finals[0] is not None
+    final = finals[0].final
+    assert final.usage.completion_tokens == 12 == sum(len(c.chunk.token_ids) for c in chunks)
+    assert final.served_by == "interactive/0" and final.model == "tiny-llama-large"
+    assert trailers["x-infermesh-served-by"] == "interactive/0"
+
+    with grpc.insecure_channel(f"127.0.0.1:{pool.grpc_port}") as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.InferenceStub(ch).Generate(pb.GenerateRequest(model="nope", text="x"), timeout=10))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND

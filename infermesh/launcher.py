@@ -1,0 +1,180 @@
+"""Start and stop the processes of a local mesh: one sidecar per pool, then Envoy.
+
+Children get PR_SET_PDEATHSIG so they die with the launcher even if it is SIGKILLed; a clean
+stop sends SIGTERM (Envoy first so no new traffic arrives, then the sidecars, which drain) and
+SIGKILLs whatever outlives the grace period.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from infermesh.meshconfig.envoy_bootstrap import write_bootstrap
+from infermesh.meshconfig.local_mesh import LocalMeshPlan
+
+from . import paths
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    os.setpgrp()  # Ctrl-C in the terminal reaches the launcher only; it stops children in order
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (held together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class LocalMesh:
+    def __init__(self, plan: LocalMeshPlan, run_dir: Path, models_dir: Path | None = None, wasm: Path | None = None):
+        self.plan = plan
+        self.run_dir = run_dir
+        self.models_dir = models_dir or paths.models_dir()
+        self.wasm = wasm or paths.filter_wasm()
+        self.children: list[Child] = []
+        self.started_at: dict[str, float] = {}
+        self.ready_after: dict[str, float] = {}
+
+    # -- start ------------------------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str]) -> Child:
+        log_path = self.run_dir / f"{name}.log"
+        log = open(log_path, "wb")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        log.close()
+        child = Child(name, proc, log_path)
+        self.children.append(child)
+        self.started_at[name] = time.monotonic()
+        return child
+
+    def sidecar_url(self, pool: str) -> str:
+        p = next(p for p in self.plan.pools if p.name == pool)
+        return f"http://{self.plan.host}:{p.http_port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.plan.host}:{self.plan.listen_port}"
+
+    def start(self, timeout: float = 300.0, progress: Callable[[str], None] = lambda s: None) -> None:
+        if not self.wasm.exists():
+            raise LaunchError(f"filter not built: {self.wasm} is missing (run scripts/setup.sh)")
+        for p in self.plan.pools:
+            if not (self.models_dir / p.model / "config.json").exists():
+                raise LaunchError(f"model {p.model} not found in {self.models_dir} (run `infermesh models build`)")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for p in self.plan.pools:
+            cfg_path = self.run_dir / f"sidecar-{p.name}.json"
+            cfg_path.write_text(json.dumps(self.plan.sidecar_config(p, self.models_dir), indent=2))
+            self._spawn(f"sidecar-{p.name}", [sys.executable, "-m", "infermesh.sidecar.server", "--config", str(cfg_path)])
+            progress(f"sidecar {p.name}: starting ({p.model}, http :{p.http_port}, grpc :{p.grpc_port})")
+        bootstrap = write_bootstrap(self.plan.listener(self.wasm), self.run_dir / "envoy.json")
+        envoy = paths.envoy_binary()
+        self._spawn(
+            "envoy",
+            [str(envoy), "-c", str(bootstrap), "--use-dynamic-base-id", "--concurrency", "2", "--log-level", "warn",
+             "--drain-time-s", "1", "--parent-shutdown-time-s", "2"],
+        )
+        progress(f"envoy: starting (listener :{self.plan.listen_port}, admin 127.0.0.1:{self.plan.admin_port})")
+        pending = {c.name for c in self.children}
+        deadline = time.monotonic() + timeout
+        last_note = 0.0
+        while pending:
+            for c in self.children:
+                if c.name in pending and c.proc.poll() is not None:
+                    self.stop()
+                    raise LaunchError(f"{c.name} exited with code {c.proc.returncode} while starting:\n{c.tail()}")
+            for name in sorted(pending):
+                if self._ready(name):
+                    pending.discard(name)
+                    self.ready_after[name] = time.monotonic() - self.started_at[name]
+                    progress(f"{name}: ready in {self.ready_after[name]:.1f}s")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise LaunchError(f"not ready after {timeout:.0f}s: {', '.join(sorted(pending))}")
+            if pending and time.monotonic() - last_note > 10:
+                last_note = time.monotonic()
+                waited = time.monotonic() - min(self.started_at.values())
+                progress(f"waiting for {', '.join(sorted(pending))} ({waited:.0f}s; models load in ~30-60s on CPU)")
+            time.sleep(0.25)
+
+    def _ready(self, name: str) -> bool:
+        if name == "envoy":
+            return _http_ok(f"http://127.0.0.1:{self.plan.admin_port}/ready")
+        pool = name.removeprefix("sidecar-")
+        return _http_ok(self.sidecar_url(pool) + "/health")
+
+    # -- stop -------------------------------------------------------------------------------
+
+    def stop(self, grace: float = 25.0) -> None:
+        # Envoy first (no new traffic), then the sidecars drain in parallel.
+        order = sorted(self.children, key=lambda c: 0 if c.name == "envoy" else 1)
+        for c in order:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+            if c.name == "envoy":
+                try:
+                    c.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+        deadline = time.monotonic() + grace
+        for c in order:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+        self.children.clear()
+
+    def __enter__(self) -> "LocalMesh":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite: native Rust tests of the filter, then pytest (unit tests, Envoy +
+# compiled-filter integration tests, and the e2e tests of the real local mesh with vLLM).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+t0=$SECONDS
+PY="$(scripts/setup.sh)"
+echo "test: setup done in $((SECONDS - t0))s" >&2
+
+echo "== filter: cargo test (native) ==" >&2
+(cd filter && cargo test --quiet 2>&1)
+
+echo "== pytest ==" >&2
+"$PY" -m pytest "$@"
+echo "test: suite done in $((SECONDS - t0))s" >&2

@@ -1,0 +1,134 @@
+"""The OpenAI HTTP front against a fake engine (no vLLM): request parsing, SSE framing, error
+JSON and status codes, identity headers. The real engine is covered by the e2e tests."""
+
+import json
+from dataclasses import dataclass
+
+import pytest
+from fastapi.testclient import TestClient
+
+from infermesh.sidecar.config import SidecarConfig
+from infermesh.sidecar.engine import Completion, EngineManager, TokenDelta
+from infermesh.sidecar.http_api import build_app
+from infermesh.sidecar.metrics import SidecarMetrics
+
+CONFIG = SidecarConfig.model_validate(
+    {"pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "aliases": ["m"]}], "server": {"max_body_bytes": 2048}}
+)
+
+
+class FakeEngine(EngineManager):
+    """EngineManager whose generation is scripted: it yields the words of `reply` as tokens."""
+
+    reply = ["Hello", " world", "!"]
+
+    def __init__(self):
+        super().__init__(CONFIG)
+        self._engine = object()  # "loaded"
+        self.seen = []
+        self.released = []
+
+    async def stream(self, req, model):
+        self.seen.append(req)
+        for i, w in enumerate(self.reply):
+            yield TokenDelta(w, [i])
+        yield Completion("stop", 7, len(self.reply), model.name)
+        self._inflight.discard(req.request_id)
+
+    async def release(self, rid):
+        self.released.append(rid)
+        self._inflight.discard(rid)
+
+
+@pytest.fixture
+def client():
+    engine = FakeEngine()
+    c = TestClient(build_app(engine, SidecarMetrics("interactive", "0")))
+    c.engine = engine
+    return c
+
+
+def test_chat_non_stream(client):
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world!"}
+    assert body["usage"]["total_tokens"] == 10
+    assert body["usage"]["infermesh"]["served_by"] == "interactive/0"
+    assert r.headers["x-infermesh-served-by"] == "interactive/0"
+    assert r.headers["x-infermesh-model"] == "m-large"
+    assert r.headers["x-infermesh-degraded"] == "false"
+
+
+def test_chat_stream_is_sse_with_usage_and_done(client):
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-accel-buffering"] == "no"
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello world!"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert client.engine.released, "the stream's request must be released when the response ends"
+
+
+def test_completions_prompt(client):
+    r = client.post("/v1/completions", json={"prompt": "say", "max_tokens": 3})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == "Hello world!"
+    assert client.engine.seen[0].prompt == "say" and client.engine.seen[0].max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/chat/completions", b"{not json", 400, None),
+        ("/v1/chat/completions", b"[1,2]", 400, None),
+        ("/v1/chat/completions", json.dumps({"messages": []}).encode(), 400, "messages"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"content": "x"}]}).encode(), 400, "messages[0]"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400, "temperature"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400, "max_tokens"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 400, "n"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}).encode(), 404, "model"),
+        ("/v1/completions", json.dumps({"prompt": 5}).encode(), 400, "prompt"),
+        ("/v1/completions", json.dumps({"prompt": "x" * 4000}).encode(), 413, None),
+    ],
+)
+def test_bad_requests_get_openai_errors(client, path, body, status, param):
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] in ("invalid_request_error",)
+    assert err["param"] == param
+    assert not client.engine.seen, "a rejected request must not reach the engine"
+
+
+def test_overload_is_429_with_retry_after(client):
+    client.engine._inflight.update(f"r{i}" for i in range(CONFIG.server.max_concurrent_requests))
+    r = client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_not_ready_is_503(client):
+    client.engine._engine = None
+    r = client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and "retry-after" in r.headers
+    assert client.get("/health").status_code == 503
+
+
+def test_models_and_metrics(client):
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["m-large"]
+    client.post("/v1/completions", json={"prompt": "x"})
+    text = client.get("/metrics").text
+    assert 'infermesh_sidecar_requests_total{api="completions",front="http",request_class="",status="200"} 1.0' in text
