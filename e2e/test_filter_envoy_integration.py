@@ -1,12 +1,13 @@
 """Integration: the real Envoy binary with the compiled Wasm filter, in front of two small echo
 upstreams (one per pool) that report which of them got the request and with which headers.
 
-No vLLM here: these tests pin the filter's routing contract fast, the e2e tests then run the
+No vLLM here: these tests pin the filter's routing contract fast; the e2e tests then run the
 same path with real sidecars.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import threading
@@ -14,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -22,12 +24,44 @@ from infermesh.launcher import free_ports
 from infermesh.meshconfig.envoy_bootstrap import MeshListener, PoolEndpoint, write_bootstrap
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 
+FILTER_CONFIG = {
+    "version": 1,
+    "default_class": "batch",
+    "classes": {
+        "interactive": {"pool": "interactive", "objective": "chat-latency"},
+        "batch": {"pool": "batch"},
+    },
+    "rules": [
+        {"name": "hdr-priority", "class": "interactive", "match": {"headers": [{"name": "x-priority", "exact": "high"}]}},
+        {"name": "chat-bulk", "class": "batch",
+         "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}, "body": {"stream": False, "max_tokens": {"min": 1024}}}},
+        {"name": "chat-many", "class": "batch", "match": {"path": {"prefix": "/v1/chat/completions"}, "body": {"n": {"min": 4}}}},
+        {"name": "premium", "class": "interactive", "match": {"path": {"prefix": "/v1/"}, "body": {"service_tier": {"exact": "priority"}}}},
+        {"name": "eval-models", "class": "batch", "match": {"path": {"prefix": "/v1/"}, "body": {"model": {"regex": "^eval-"}}}},
+        {"name": "chat", "class": "interactive", "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}}},
+        {"name": "grpc-generate", "class": "interactive", "match": {"path": {"exact": "/infermesh.v1.Inference/Generate"}}},
+    ],
+    "trusted_sources": {"cidrs": ["10.99.0.0/16"]},
+    "emit_objective_header": True,
+}
+
 
 def echo_server(name: str, port: int) -> ThreadingHTTPServer:
     class Echo(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def _reply(self):
-            n = int(self.headers.get("content-length") or 0)
-            body = self.rfile.read(n) if n else b""
+            if self.headers.get("transfer-encoding", "").lower() == "chunked":
+                body = b""
+                while True:
+                    size = int(self.rfile.readline().strip() or b"0", 16)
+                    if size == 0:
+                        self.rfile.readline()
+                        break
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+            else:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
             out = json.dumps(
                 {"upstream": name, "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body_len": len(body)}
             ).encode()
@@ -47,92 +81,274 @@ def echo_server(name: str, port: int) -> ThreadingHTTPServer:
     return srv
 
 
+class EnvoyUnderTest:
+    def __init__(self, workdir: Path, filter_config: dict | str, pools: dict[str, int]):
+        self.listen, self.admin_port = free_ports(2)
+        listener = MeshListener(
+            listen_host="127.0.0.1",
+            listen_port=self.listen,
+            admin_port=self.admin_port,
+            wasm_path=paths.filter_wasm(),
+            filter_config={},
+            pools=[PoolEndpoint(n, "127.0.0.1", p) for n, p in pools.items()],
+            default_pool="batch",
+        )
+        boot = write_bootstrap(listener, workdir / "envoy.json")
+        if not isinstance(filter_config, dict):  # a raw (possibly invalid) config string
+            doc = json.loads(boot.read_text())
+            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"] = filter_config
+            boot.write_text(json.dumps(doc))
+        else:
+            boot.write_text(boot.read_text().replace(json.dumps("{}")[1:-1], json.dumps(json.dumps(filter_config, separators=(",", ":")))[1:-1], 1))
+        self.log_path = workdir / "envoy.log"
+        self.proc = subprocess.Popen(
+            [str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "info"],
+            stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+        )
+        self.base = f"http://127.0.0.1:{self.listen}"
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
+
+    def wait_ready(self, timeout: float = 60) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(self.admin + "/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.1)
+        return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
 @pytest.fixture(scope="module")
-def envoy_with_filter(tmp_path_factory):
-    listen, admin, p_int, p_batch = free_ports(4)
+def upstreams():
+    p_int, p_batch = free_ports(2)
     servers = [echo_server("interactive", p_int), echo_server("batch", p_batch)]
-    plan = LocalMeshPlan()
-    cfg = plan.filter_config()
-    listener = MeshListener(
-        listen_host="127.0.0.1",
-        listen_port=listen,
-        admin_port=admin,
-        wasm_path=paths.filter_wasm(),
-        filter_config=cfg,
-        pools=[PoolEndpoint("interactive", "127.0.0.1", p_int), PoolEndpoint("batch", "127.0.0.1", p_batch)],
-        default_pool="batch",
-    )
-    d = tmp_path_factory.mktemp("envoy")
-    boot = write_bootstrap(listener, d / "envoy.json")
-    log = open(d / "envoy.log", "wb")
-    proc = subprocess.Popen(
-        [str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "info"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("envoy did not start:\n" + (d / "envoy.log").read_text()[-3000:])
-        time.sleep(0.1)
-    yield {"base": f"http://127.0.0.1:{listen}", "admin": f"http://127.0.0.1:{admin}", "log": d / "envoy.log"}
-    proc.terminate()
-    proc.wait(timeout=10)
+    yield {"interactive": p_int, "batch": p_batch}
     for s in servers:
         s.shutdown()
 
 
-def call(base: str, path: str, method: str = "POST", headers: dict | None = None, body: bytes = b"{}") -> dict:
-    req = urllib.request.Request(base + path, data=body if method == "POST" else None, method=method, headers=headers or {})
-    req.add_header("content-type", "application/json")
+@pytest.fixture(scope="module")
+def envoy(upstreams, tmp_path_factory):
+    e = EnvoyUnderTest(tmp_path_factory.mktemp("envoy"), FILTER_CONFIG, upstreams)
+    assert e.wait_ready(), "envoy did not start:\n" + e.log()[-3000:]
+    yield e
+    e.stop()
+
+
+def call(base: str, path: str, method: str = "POST", headers: dict | None = None, body: bytes | dict = b"{}") -> dict:
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    h = {"content-type": "application/json"} | (headers or {})
+    req = urllib.request.Request(base + path, data=body if method == "POST" else None, method=method, headers=h)
     with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
         return json.loads(r.read())
 
 
-def test_chat_goes_to_interactive_pool(envoy_with_filter):
-    got = call(envoy_with_filter["base"], "/v1/chat/completions")
-    assert got["upstream"] == "interactive"
+def decided(got: dict) -> tuple[str, str, str, str]:
     h = got["headers"]
-    assert (h["x-infermesh-class"], h["x-infermesh-pool"], h["x-infermesh-rule"]) == ("interactive", "interactive", "chat")
+    assert got["upstream"] == h["x-infermesh-pool"], "the route follows the pool header"
+    return got["upstream"], h["x-infermesh-class"], h["x-infermesh-rule"], h.get("x-gateway-inference-objective", "")
 
 
-def test_everything_else_goes_to_batch_by_default(envoy_with_filter):
+def prom(envoy: EnvoyUnderTest) -> str:
+    with urllib.request.urlopen(envoy.admin + "/stats/prometheus", timeout=5) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+# ---- routing by path, method, headers --------------------------------------------------------
+
+def test_chat_goes_to_interactive_pool(envoy):
+    got = call(envoy.base, "/v1/chat/completions", body={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+    assert decided(got) == ("interactive", "interactive", "chat", "chat-latency")
+
+
+def test_everything_else_goes_to_batch_by_default(envoy):
     for path in ("/v1/completions", "/v1/embeddings", "/anything?x=1"):
-        got = call(envoy_with_filter["base"], path)
-        assert got["upstream"] == "batch", path
-        assert got["headers"]["x-infermesh-rule"] == "default"
+        assert decided(call(envoy.base, path)) == ("batch", "batch", "default", "batch"), path
 
 
-def test_get_on_chat_path_is_not_the_chat_rule(envoy_with_filter):
-    got = call(envoy_with_filter["base"], "/v1/chat/completions", method="GET")
-    assert got["upstream"] == "batch"
+def test_get_on_chat_path_is_not_the_chat_rule(envoy):
+    assert decided(call(envoy.base, "/v1/chat/completions", method="GET"))[2] == "default"
 
 
-def test_spoofed_routing_headers_are_replaced(envoy_with_filter):
+def test_header_rule_decides_first(envoy):
+    got = call(envoy.base, "/v1/completions", headers={"x-priority": "high"}, body={"max_tokens": 5000, "model": "eval-x"})
+    assert decided(got)[:3] == ("interactive", "interactive", "hdr-priority")
+
+
+# ---- routing by body fields ------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "path, body, want",
+    [
+        ("/v1/chat/completions", {"messages": [], "max_tokens": 4096}, ("batch", "chat-bulk")),
+        ("/v1/chat/completions", {"messages": [], "max_completion_tokens": 4096, "max_tokens": 1}, ("batch", "chat-bulk")),
+        ("/v1/chat/completions", {"messages": [], "max_tokens": 4096, "stream": True}, ("interactive", "chat")),
+        ("/v1/chat/completions", {"messages": [], "n": 8}, ("batch", "chat-many")),
+        ("/v1/completions", {"prompt": "x", "service_tier": "priority"}, ("interactive", "premium")),
+        ("/v1/completions", {"prompt": "x", "model": "eval-llama"}, ("batch", "eval-models")),
+        ("/v1/chat/completions", {"model": "eval-llama", "stream": True}, ("batch", "eval-models")),
+    ],
+)
+def test_body_fields_decide(envoy, path, body, want):
+    got = call(envoy.base, path, body=body)
+    assert (got["upstream"], got["headers"]["x-infermesh-rule"]) == want
+    assert got["body_len"] == len(json.dumps(body)), "the buffered body reaches the upstream whole"
+
+
+# ---- fallbacks: every odd body still gets a header-only decision and a 200 --------------------
+
+def test_garbage_body_falls_back_to_header_rules(envoy):
+    before = metric(prom(envoy), "infermesh_body_fallbacks_total", reason="invalid_json")
+    got = call(envoy.base, "/v1/chat/completions", body=bytes(range(256)) * 64)
+    assert decided(got)[:3] == ("interactive", "interactive", "chat") and got["body_len"] == 256 * 64
+    assert metric(prom(envoy), "infermesh_body_fallbacks_total", reason="invalid_json") == before + 1
+
+
+def test_non_json_content_type_is_not_buffered(envoy):
+    body = json.dumps({"max_tokens": 5000}).encode()
+    got = call(envoy.base, "/v1/chat/completions", headers={"content-type": "text/plain"}, body=body)
+    assert decided(got)[2] == "chat"
+    assert metric(prom(envoy), "infermesh_body_fallbacks_total", reason="not_json") >= 1
+
+
+def test_body_over_one_mib_with_content_length(envoy):
+    big = json.dumps({"max_tokens": 5000, "messages": [{"role": "user", "content": "x" * (1536 * 1024)}]}).encode()
+    got = call(envoy.base, "/v1/chat/completions", body=big)
+    assert decided(got)[2] == "chat", "over the limit: body rules are skipped"
+    assert got["body_len"] == len(big), "the whole body still reaches the pool (no 413)"
+    assert metric(prom(envoy), "infermesh_body_fallbacks_total", reason="too_large") >= 1
+
+
+def test_chunked_body_that_overflows_the_limit(envoy):
+    conn = http.client.HTTPConnection("127.0.0.1", envoy.listen, timeout=20)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("content-type", "application/json")
+    conn.putheader("transfer-encoding", "chunked")
+    conn.endheaders()
+    piece = b"x" * 65536
+    head = b'{"max_tokens": 5000, "messages": [{"role":"user","content":"'
+    conn.send(b"%x\r\n%s\r\n" % (len(head), head))
+    for _ in range(20):  # 1.25 MiB in 64 KiB chunks
+        conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+    tail = b'"}]}'
+    conn.send(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
+    r = conn.getresponse()
+    assert r.status == 200
+    got = json.loads(r.read())
+    assert decided(got)[2] == "chat"
+    assert got["body_len"] > 20 * 65536
+
+
+def test_small_chunked_body_is_classified(envoy):
+    conn = http.client.HTTPConnection("127.0.0.1", envoy.listen, timeout=20)
+    body = json.dumps({"n": 5}).encode()
+    conn.request("POST", "/v1/chat/completions", body=iter([body[:3], body[3:]]), headers={"content-type": "application/json"}, encode_chunked=True)
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())["headers"]["x-infermesh-rule"] == "chat-many"
+
+
+def test_empty_body_and_bodyless_requests(envoy):
+    assert decided(call(envoy.base, "/v1/chat/completions", body=b""))[2] == "chat"
+    assert decided(call(envoy.base, "/v1/chat/completions", method="GET"))[2] == "default"
+
+
+def test_grpc_is_classified_by_method_without_buffering(envoy):
+    # A gRPC request over HTTP/1.1 is enough to show the method path decides and the body is
+    # not parsed (application/grpc is not JSON).
+    got = call(envoy.base, "/infermesh.v1.Inference/Generate", headers={"content-type": "application/grpc"}, body=b"\x00\x00\x00\x00\x02\x08\x01")
+    assert decided(got)[:3] == ("interactive", "interactive", "grpc-generate")
+
+
+# ---- headers from outside --------------------------------------------------------------------
+
+def test_spoofed_routing_headers_are_replaced(envoy):
     spoof = {"x-infermesh-pool": "interactive", "x-infermesh-class": "interactive", "x-infermesh-rule": "chat", "x-infermesh-debug": "1"}
-    got = call(envoy_with_filter["base"], "/v1/completions", headers=spoof)
-    assert got["upstream"] == "batch"
-    h = got["headers"]
-    assert (h["x-infermesh-class"], h["x-infermesh-pool"], h["x-infermesh-rule"]) == ("batch", "batch", "default")
-    assert "x-infermesh-debug" not in h, "every client-sent x-infermesh-* header is stripped"
+    got = call(envoy.base, "/v1/completions", headers=spoof)
+    assert decided(got)[:3] == ("batch", "batch", "default")
+    assert "x-infermesh-debug" not in got["headers"], "every client-sent x-infermesh-* header is stripped"
     spoof["x-infermesh-pool"] = "batch"
-    assert call(envoy_with_filter["base"], "/v1/chat/completions", headers=spoof)["upstream"] == "interactive"
+    assert call(envoy.base, "/v1/chat/completions", headers=spoof)["upstream"] == "interactive"
+    assert metric(prom(envoy), "infermesh_stripped_requests_total") >= 2
 
 
-def test_garbage_bodies_are_still_routed(envoy_with_filter):
-    got = call(envoy_with_filter["base"], "/v1/chat/completions", body=bytes(range(256)) * 64)
-    assert got["upstream"] == "interactive" and got["body_len"] == 256 * 64
+def test_trusted_source_keeps_an_upstream_decision(upstreams, tmp_path):
+    cfg = dict(FILTER_CONFIG, trusted_sources={"cidrs": ["127.0.0.0/8"]})
+    e = EnvoyUnderTest(tmp_path, cfg, upstreams)
+    try:
+        assert e.wait_ready(), e.log()[-2000:]
+        got = call(e.base, "/v1/completions", headers={"x-infermesh-pool": "interactive", "x-infermesh-class": "interactive"})
+        assert got["upstream"] == "interactive" and got["headers"]["x-infermesh-class"] == "interactive"
+        # Without a complete decision the trusted hop's partial headers do not skip classification.
+        got = call(e.base, "/v1/chat/completions", headers={"x-infermesh-rule": "x"})
+        assert decided(got)[2] == "chat"
+    finally:
+        e.stop()
 
 
-def test_admin_is_not_reachable_through_the_listener(envoy_with_filter):
-    # Admin paths on the mesh listener are just requests to a pool, never Envoy's admin.
-    got = call(envoy_with_filter["base"], "/stats", method="GET")
-    assert got["upstream"] == "batch"
-    with urllib.request.urlopen(envoy_with_filter["admin"] + "/stats?filter=wasm", timeout=5) as r:
+def test_admin_is_not_reachable_through_the_listener(envoy):
+    got = call(envoy.base, "/stats", method="GET")
+    assert got["upstream"] == "batch", "admin paths on the mesh listener are just requests to a pool"
+    with urllib.request.urlopen(envoy.admin + "/ready", timeout=5) as r:
         assert r.status == 200
+
+
+# ---- metrics and config ----------------------------------------------------------------------
+
+def test_decisions_are_counted_by_class_pool_and_rule(envoy):
+    before = metric(prom(envoy), "infermesh_requests_total", **{"class": "batch", "pool": "batch", "rule": "chat-many"})
+    call(envoy.base, "/v1/chat/completions", body={"n": 9})
+    assert metric(prom(envoy), "infermesh_requests_total", **{"class": "batch", "pool": "batch", "rule": "chat-many"}) == before + 1
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ('{"version": 1, "default_class": "nope", "classes": {"batch": {"pool": "batch"}}}', "default_class"),
+        ('{"version": 2, "default_class": "batch", "classes": {"batch": {"pool": "batch"}}}', "version"),
+        ("not json at all", "$"),
+    ],
+)
+def test_invalid_config_is_refused_with_the_field_named(upstreams, tmp_path, bad, field):
+    e = EnvoyUnderTest(tmp_path, bad, upstreams)
+    try:
+        e.wait_ready(timeout=15)
+        time.sleep(0.5)
+        assert f"invalid infermesh filter config at `{field}`" in e.log()
+    finally:
+        e.stop()
+
+
+def test_local_default_config_is_valid(upstreams, tmp_path):
+    e = EnvoyUnderTest(tmp_path, LocalMeshPlan().filter_config(), upstreams)
+    try:
+        assert e.wait_ready(), e.log()[-2000:]
+        assert "config accepted" in e.log()
+        assert decided(call(e.base, "/v1/chat/completions", body={"max_tokens": 2000}))[2] == "chat-bulk"
+    finally:
+        e.stop()

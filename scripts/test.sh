@@ -8,7 +8,7 @@ PY="$(scripts/setup.sh)"
 echo "test: setup done in $((SECONDS - t0))s" >&2
 
 echo "== filter: cargo test (native) ==" >&2
-(cd filter && cargo test --quiet 2>&1)
+(cd filter && INFERMESH_FUZZ_SECS="${INFERMESH_FUZZ_SECS:-5}" cargo test --release --quiet 2>&1)
 
 echo "== pytest ==" >&2
 "$PY" -m pytest "$@"

@@ -1,6 +1,12 @@
-//! Pure request classification: no host calls, no allocation beyond the decision, no panics.
+//! Pure request classification: no host calls, no panics.
+//!
+//! Rules are tried in order. A rule whose header-side conditions (method, path, headers) hold
+//! and that has body conditions needs the body: the caller buffers it and asks again. When the
+//! body cannot be had (too large, not JSON, invalid, absent) rules with body conditions are
+//! skipped — the documented header-only decision — and the reason is reported.
 
-use crate::config::{FilterConfig, PathMatch, Rule};
+use crate::body::BodyFacts;
+use crate::config::{BodyMatch, FilterConfig, HeaderCond, Rule};
 
 /// What the classifier may look at. The glue implements it over Envoy's header map; tests use
 /// a plain struct.
@@ -11,6 +17,41 @@ pub trait RequestView {
     fn header(&self, name: &str) -> Option<&str>;
 }
 
+/// Why the body could not be used; each has a metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// Over `body.max_bytes` (by Content-Length, or while buffering a chunked body).
+    TooLarge,
+    /// Content-Type is not JSON (e.g. gRPC, form data).
+    NotJson,
+    /// Not a JSON object.
+    InvalidJson,
+    /// The request has no body.
+    Missing,
+}
+
+impl Fallback {
+    pub const ALL: [Fallback; 4] = [Fallback::TooLarge, Fallback::NotJson, Fallback::InvalidJson, Fallback::Missing];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Fallback::TooLarge => "too_large",
+            Fallback::NotJson => "not_json",
+            Fallback::InvalidJson => "invalid_json",
+            Fallback::Missing => "missing",
+        }
+    }
+}
+
+/// The body as far as the classifier knows it.
+#[derive(Debug, Clone, Copy)]
+pub enum Body<'a> {
+    /// Not read yet: a rule that needs it stops the decision.
+    NotYet,
+    Parsed(&'a BodyFacts),
+    Unavailable(Fallback),
+}
+
 /// The outcome written back into the request headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision<'c> {
@@ -18,30 +59,70 @@ pub struct Decision<'c> {
     pub pool: &'c str,
     /// The rule that matched, or `default` when none did.
     pub rule: &'c str,
+    pub objective: &'c str,
+    /// Set when a body rule was skipped because the body could not be used.
+    pub fallback: Option<Fallback>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome<'c> {
+    Decided(Decision<'c>),
+    /// The first applicable rule needs the body.
+    NeedBody,
 }
 
 /// The rule name reported when no rule matched.
 pub const DEFAULT_RULE: &str = "default";
+/// The rule name reported when a trusted source's own decision was kept.
+pub const TRUSTED_RULE: &str = "trusted";
 
-/// Decide the class and pool of a request: the first rule whose conditions all hold wins.
-pub fn classify<'c>(config: &'c FilterConfig, req: &dyn RequestView) -> Decision<'c> {
+/// Decide the class and pool of a request.
+pub fn classify<'c>(config: &'c FilterConfig, req: &dyn RequestView, body: Body<'_>) -> Outcome<'c> {
     let path = req.path().map(strip_query);
+    let mut fallback = None;
     for rule in &config.rules {
-        if rule_matches(rule, req, path) {
-            return Decision { class: &rule.class, pool: &rule.pool, rule: &rule.name };
+        if !head_matches(rule, req, path) {
+            continue;
         }
+        if let Some(bm) = &rule.body {
+            match body {
+                Body::NotYet => return Outcome::NeedBody,
+                Body::Parsed(facts) => {
+                    if !body_matches(bm, facts) {
+                        continue;
+                    }
+                }
+                Body::Unavailable(why) => {
+                    fallback = Some(why);
+                    continue;
+                }
+            }
+        }
+        return Outcome::Decided(Decision {
+            class: &rule.class,
+            pool: &rule.pool,
+            rule: &rule.name,
+            objective: &rule.objective,
+            fallback,
+        });
     }
-    Decision { class: &config.default_class, pool: &config.default_pool, rule: DEFAULT_RULE }
+    Outcome::Decided(Decision {
+        class: &config.default_class,
+        pool: &config.default_pool,
+        rule: DEFAULT_RULE,
+        objective: &config.default_objective,
+        fallback,
+    })
 }
 
 fn strip_query(path: &str) -> &str {
-    match path.find(|c| c == '?' || c == '#') {
+    match path.find(['?', '#']) {
         Some(i) => &path[..i],
         None => path,
     }
 }
 
-fn rule_matches(rule: &Rule, req: &dyn RequestView, path: Option<&str>) -> bool {
+fn head_matches(rule: &Rule, req: &dyn RequestView, path: Option<&str>) -> bool {
     if !rule.methods.is_empty() {
         match req.method() {
             Some(m) if rule.methods.iter().any(|x| x.eq_ignore_ascii_case(m)) => {}
@@ -49,114 +130,192 @@ fn rule_matches(rule: &Rule, req: &dyn RequestView, path: Option<&str>) -> bool 
         }
     }
     if let Some(pm) = &rule.path {
-        let ok = match (pm, path) {
-            (PathMatch::Exact(want), Some(p)) => p == want,
-            (PathMatch::Prefix(want), Some(p)) => p.starts_with(want.as_str()),
-            (_, None) => false,
-        };
-        if !ok {
+        match path {
+            Some(p) if pm.matches(p) => {}
+            _ => return false,
+        }
+    }
+    rule.headers.iter().all(|h| match (&h.cond, req.header(&h.name)) {
+        (HeaderCond::Present, v) => v.is_some(),
+        (HeaderCond::Absent, v) => v.is_none(),
+        (HeaderCond::Value(m), Some(v)) => m.matches(v),
+        (HeaderCond::Value(_), None) => false,
+    })
+}
+
+fn body_matches(m: &BodyMatch, f: &BodyFacts) -> bool {
+    if let Some(want) = m.stream {
+        if f.stream.unwrap_or(false) != want {
             return false;
         }
     }
-    rule.headers.iter().all(|h| match (req.header(&h.name), &h.value) {
-        (Some(_), None) => true,
-        (Some(got), Some(want)) => got == want,
-        (None, _) => false,
-    })
+    let range = |r: &Option<crate::config::Range>, v: Option<u64>| match (r, v) {
+        (None, _) => true,
+        (Some(r), Some(v)) => r.contains(v),
+        (Some(_), None) => false,
+    };
+    let text = |s: &Option<crate::config::StringMatch>, v: &Option<String>| match (s, v) {
+        (None, _) => true,
+        (Some(s), Some(v)) => s.matches(v),
+        (Some(_), None) => false,
+    };
+    range(&m.max_tokens, f.token_budget())
+        && range(&m.n, Some(f.n.unwrap_or(1)))
+        && range(&m.message_count, Some(f.message_count))
+        && range(&m.prompt_chars, Some(f.prompt_chars))
+        && text(&m.model, &f.model)
+        && text(&m.priority, &f.priority)
+        && text(&m.service_tier, &f.service_tier)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::body::parse_body;
     use std::collections::HashMap;
 
-    struct FakeRequest {
-        method: &'static str,
-        path: &'static str,
-        headers: HashMap<&'static str, &'static str>,
+    pub(crate) struct FakeRequest {
+        pub method: String,
+        pub path: String,
+        pub headers: HashMap<String, String>,
     }
 
     impl RequestView for FakeRequest {
         fn method(&self) -> Option<&str> {
-            Some(self.method)
+            Some(&self.method)
         }
         fn path(&self) -> Option<&str> {
-            Some(self.path)
+            Some(&self.path)
         }
         fn header(&self, name: &str) -> Option<&str> {
-            self.headers.get(name).copied()
+            self.headers.get(name).map(|s| s.as_str())
         }
     }
 
-    fn req(method: &'static str, path: &'static str) -> FakeRequest {
-        FakeRequest { method, path, headers: HashMap::new() }
+    fn req(method: &str, path: &str) -> FakeRequest {
+        FakeRequest { method: method.into(), path: path.into(), headers: HashMap::new() }
     }
 
-    fn local_default() -> FilterConfig {
+    fn config() -> FilterConfig {
         FilterConfig::parse(
             br#"{"version": 1, "default_class": "batch",
-                "classes": {"interactive": {"pool": "interactive"}, "batch": {"pool": "batch"}},
+                "classes": {"interactive": {"pool": "h100"}, "batch": {"pool": "l4"}, "premium": {"pool": "h100", "objective": "gold"}},
                 "rules": [
                   {"name": "priority-header", "class": "interactive",
-                   "match": {"headers": [{"name": "x-priority", "value": "high"}]}},
+                   "match": {"headers": [{"name": "x-priority", "exact": "high"}]}},
+                  {"name": "premium-tier", "class": "premium",
+                   "match": {"path": {"prefix": "/v1/"}, "body": {"service_tier": {"exact": "priority"}}}},
+                  {"name": "long-chat", "class": "batch",
+                   "match": {"path": {"exact": "/v1/chat/completions"}, "body": {"max_tokens": {"min": 2048}}}},
+                  {"name": "bulk-n", "class": "batch",
+                   "match": {"path": {"exact": "/v1/chat/completions"}, "body": {"n": {"min": 4}}}},
                   {"name": "chat", "class": "interactive",
                    "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}}},
+                  {"name": "streamed", "class": "interactive",
+                   "match": {"path": {"regex": "^/v1/completions$"}, "body": {"stream": true, "prompt_chars": {"max": 2000}}}},
                   {"name": "grpc-generate", "class": "interactive",
-                   "match": {"path": {"exact": "/infermesh.v1.Inference/Generate"}}}
+                   "match": {"path": {"exact": "/infermesh.v1.Inference/Generate"},
+                             "headers": [{"name": "x-infermesh-class-hint", "present": false}]}}
                 ]}"#,
         )
         .unwrap()
     }
 
-    #[test]
-    fn chat_is_interactive() {
-        let c = local_default();
-        let d = classify(&c, &req("POST", "/v1/chat/completions"));
-        assert_eq!(d, Decision { class: "interactive", pool: "interactive", rule: "chat" });
-    }
-
-    #[test]
-    fn query_string_is_ignored() {
-        let c = local_default();
-        assert_eq!(classify(&c, &req("POST", "/v1/chat/completions?x=1")).rule, "chat");
-    }
-
-    #[test]
-    fn completions_fall_to_default_batch() {
-        let c = local_default();
-        let d = classify(&c, &req("POST", "/v1/completions"));
-        assert_eq!(d, Decision { class: "batch", pool: "batch", rule: DEFAULT_RULE });
-    }
-
-    #[test]
-    fn method_must_match() {
-        let c = local_default();
-        assert_eq!(classify(&c, &req("GET", "/v1/chat/completions")).class, "batch");
-    }
-
-    #[test]
-    fn header_rule_wins_when_first() {
-        let c = local_default();
-        let mut r = req("POST", "/v1/completions");
-        r.headers.insert("x-priority", "high");
-        assert_eq!(classify(&c, &r).rule, "priority-header");
-        r.headers.insert("x-priority", "low");
-        assert_eq!(classify(&c, &r).rule, DEFAULT_RULE);
-    }
-
-    #[test]
-    fn exact_path_does_not_match_longer_path() {
-        let c = local_default();
-        assert_eq!(classify(&c, &req("POST", "/infermesh.v1.Inference/Generate")).rule, "grpc-generate");
-        assert_eq!(classify(&c, &req("POST", "/infermesh.v1.Inference/GenerateX")).rule, DEFAULT_RULE);
-    }
-
-    #[test]
-    fn odd_paths_never_panic() {
-        let c = local_default();
-        for p in ["", "?", "#", "/v1/chat/completions#frag", "\u{0}\u{ffff}", "//////"] {
-            let r = FakeRequest { method: "POST", path: Box::leak(p.to_string().into_boxed_str()), headers: HashMap::new() };
-            let _ = classify(&c, &r);
+    fn decide<'c>(c: &'c FilterConfig, r: &FakeRequest, body: &[u8]) -> Decision<'c> {
+        match classify(c, r, Body::NotYet) {
+            Outcome::Decided(d) => d,
+            Outcome::NeedBody => {
+                let facts = parse_body(body);
+                let b = match &facts {
+                    Ok(f) => Body::Parsed(f),
+                    Err(_) => Body::Unavailable(Fallback::InvalidJson),
+                };
+                match classify(c, r, b) {
+                    Outcome::Decided(d) => d,
+                    Outcome::NeedBody => panic!("asked for the body twice"),
+                }
+            }
         }
+    }
+
+    #[test]
+    fn header_rule_decides_without_the_body() {
+        let c = config();
+        let mut r = req("POST", "/v1/chat/completions");
+        r.headers.insert("x-priority".into(), "high".into());
+        assert!(matches!(classify(&c, &r, Body::NotYet), Outcome::Decided(Decision { rule: "priority-header", .. })));
+    }
+
+    #[test]
+    fn body_rules_before_a_header_rule_need_the_body() {
+        let c = config();
+        assert_eq!(classify(&c, &req("POST", "/v1/chat/completions"), Body::NotYet), Outcome::NeedBody);
+    }
+
+    #[test]
+    fn no_body_rule_applies_no_buffering() {
+        let c = config();
+        // /v2/ matches no body rule's head: decided on headers alone.
+        assert!(matches!(classify(&c, &req("POST", "/v2/x"), Body::NotYet), Outcome::Decided(Decision { rule: DEFAULT_RULE, .. })));
+    }
+
+    #[test]
+    fn chat_by_body() {
+        let c = config();
+        let r = req("POST", "/v1/chat/completions");
+        let d = decide(&c, &r, br#"{"messages":[{"role":"user","content":"hi"}],"stream":true}"#);
+        assert_eq!((d.class, d.pool, d.rule, d.fallback), ("interactive", "h100", "chat", None));
+        assert_eq!(decide(&c, &r, br#"{"max_tokens": 4096}"#).rule, "long-chat");
+        assert_eq!(decide(&c, &r, br#"{"max_completion_tokens": 4096, "max_tokens": 5}"#).rule, "long-chat");
+        assert_eq!(decide(&c, &r, br#"{"n": 8}"#).rule, "bulk-n");
+        let d = decide(&c, &r, br#"{"service_tier": "priority"}"#);
+        assert_eq!((d.class, d.pool, d.objective), ("premium", "h100", "gold"));
+    }
+
+    #[test]
+    fn completions_stream_and_size() {
+        let c = config();
+        let r = req("POST", "/v1/completions");
+        assert_eq!(decide(&c, &r, br#"{"prompt":"hi","stream":true}"#).rule, "streamed");
+        assert_eq!(decide(&c, &r, br#"{"prompt":"hi"}"#).rule, DEFAULT_RULE);
+        let long = format!("{{\"prompt\":\"{}\",\"stream\":true}}", "x".repeat(2001));
+        assert_eq!(decide(&c, &r, long.as_bytes()).rule, DEFAULT_RULE);
+    }
+
+    #[test]
+    fn invalid_body_falls_back_to_header_rules_and_says_so() {
+        let c = config();
+        let d = decide(&c, &req("POST", "/v1/chat/completions"), b"\x00garbage{");
+        assert_eq!((d.rule, d.fallback), ("chat", Some(Fallback::InvalidJson)));
+        let d = decide(&c, &req("POST", "/v1/completions"), b"not json");
+        assert_eq!((d.rule, d.fallback), (DEFAULT_RULE, Some(Fallback::InvalidJson)));
+    }
+
+    #[test]
+    fn unavailable_body_skips_body_rules() {
+        let c = config();
+        for why in Fallback::ALL {
+            match classify(&c, &req("POST", "/v1/chat/completions"), Body::Unavailable(why)) {
+                Outcome::Decided(d) => assert_eq!((d.rule, d.fallback), ("chat", Some(why))),
+                Outcome::NeedBody => panic!(),
+            }
+        }
+    }
+
+    #[test]
+    fn grpc_by_method_and_metadata() {
+        let c = config();
+        let mut r = req("POST", "/infermesh.v1.Inference/Generate");
+        r.headers.insert("content-type".into(), "application/grpc".into());
+        assert!(matches!(classify(&c, &r, Body::NotYet), Outcome::Decided(Decision { rule: "grpc-generate", .. })));
+        r.headers.insert("x-infermesh-class-hint".into(), "x".into());
+        assert!(matches!(classify(&c, &r, Body::NotYet), Outcome::Decided(Decision { rule: DEFAULT_RULE, .. })));
+    }
+
+    #[test]
+    fn query_string_and_method() {
+        let c = config();
+        assert_eq!(decide(&c, &req("POST", "/v1/chat/completions?x=1"), b"{}").rule, "chat");
+        assert_eq!(decide(&c, &req("GET", "/v1/chat/completions"), b"{}").rule, DEFAULT_RULE);
     }
 }

@@ -1,11 +1,13 @@
 //! The filter's typed configuration: parsed once when Envoy configures the plugin.
 //!
 //! An invalid configuration is rejected as a whole with a message that names the field; the
-//! glue then keeps the last good configuration (or refuses to start when there is none).
+//! glue then keeps the last good configuration (or Envoy refuses to start when there is none).
 
+use regex::Regex;
 use serde::Deserialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::net::IpAddr;
 
 /// The only configuration version this build understands. A config with another version is
 /// refused rather than half-understood.
@@ -17,8 +19,18 @@ pub const HEADER_POOL: &str = "x-infermesh-pool";
 pub const HEADER_RULE: &str = "x-infermesh-rule";
 /// Prefix of every header the filter reserves for itself.
 pub const INTERNAL_HEADER_PREFIX: &str = "x-infermesh-";
+/// Gateway API Inference Extension / llm-d: the InferenceObjective a request belongs to.
+pub const HEADER_OBJECTIVE: &str = "x-gateway-inference-objective";
 
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+/// Default and ceiling of the body buffer. The ceiling stays one read (64 KiB) below Envoy's
+/// default per-connection buffer limit (1 MiB): the filter must let go of a body before Envoy
+/// would answer 413 on its behalf.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 256 * 1024;
+pub const MAX_MAX_BODY_BYTES: usize = 1024 * 1024 - 64 * 1024;
+
+// ---- raw (serde) shapes -----------------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     version: u32,
@@ -26,15 +38,23 @@ struct RawConfig {
     classes: BTreeMap<String, RawClass>,
     #[serde(default)]
     rules: Vec<RawRule>,
+    #[serde(default)]
+    body: RawBody,
+    #[serde(default)]
+    trusted_sources: RawTrusted,
+    #[serde(default)]
+    emit_objective_header: bool,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawClass {
     pool: String,
+    #[serde(default)]
+    objective: Option<String>,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawRule {
     name: String,
@@ -43,53 +63,226 @@ struct RawRule {
     matcher: RawMatch,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawMatch {
     #[serde(default)]
     methods: Vec<String>,
     #[serde(default)]
-    path: Option<PathMatch>,
+    path: Option<RawStringMatch>,
     #[serde(default)]
-    headers: Vec<HeaderMatch>,
+    headers: Vec<RawHeaderMatch>,
+    #[serde(default)]
+    body: Option<RawBodyMatch>,
 }
 
-/// How a rule matches the request path (the query string is ignored).
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
-pub enum PathMatch {
-    /// The path equals this string.
-    Exact(String),
-    /// The path starts with this string.
-    Prefix(String),
-}
-
-/// A header condition: the header is present and, when `value` is set, equals it exactly.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawStringMatch {
+    exact: Option<String>,
+    prefix: Option<String>,
+    regex: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHeaderMatch {
+    name: String,
+    exact: Option<String>,
+    prefix: Option<String>,
+    regex: Option<String>,
+    /// `false`: the header must be absent.
+    #[serde(default)]
+    present: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBodyMatch {
+    stream: Option<bool>,
+    max_tokens: Option<Range>,
+    n: Option<Range>,
+    model: Option<RawStringMatch>,
+    message_count: Option<Range>,
+    prompt_chars: Option<Range>,
+    priority: Option<RawStringMatch>,
+    service_tier: Option<RawStringMatch>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBody {
+    #[serde(default = "default_max_body")]
+    max_bytes: usize,
+}
+
+impl Default for RawBody {
+    fn default() -> Self {
+        RawBody { max_bytes: DEFAULT_MAX_BODY_BYTES }
+    }
+}
+
+fn default_max_body() -> usize {
+    DEFAULT_MAX_BODY_BYTES
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTrusted {
+    #[serde(default)]
+    cidrs: Vec<String>,
+    #[serde(default)]
+    principals: Vec<String>,
+}
+
+// ---- validated shapes -------------------------------------------------------------------------
+
+/// An inclusive numeric range; either end may be open.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Range {
+    #[serde(default)]
+    pub min: Option<u64>,
+    #[serde(default)]
+    pub max: Option<u64>,
+}
+
+impl Range {
+    pub fn contains(&self, v: u64) -> bool {
+        self.min.map_or(true, |m| v >= m) && self.max.map_or(true, |m| v <= m)
+    }
+}
+
+/// How a string (path, header value, body field) is matched.
+#[derive(Debug, Clone)]
+pub enum StringMatch {
+    Exact(String),
+    Prefix(String),
+    Regex(Regex),
+}
+
+impl StringMatch {
+    pub fn matches(&self, s: &str) -> bool {
+        match self {
+            StringMatch::Exact(x) => s == x,
+            StringMatch::Prefix(x) => s.starts_with(x.as_str()),
+            StringMatch::Regex(r) => r.is_match(s),
+        }
+    }
+}
+
+/// A header condition: `None` = the header must be present; `Absent` = it must not be.
+#[derive(Debug, Clone)]
+pub enum HeaderCond {
+    Present,
+    Absent,
+    Value(StringMatch),
+}
+
+#[derive(Debug, Clone)]
 pub struct HeaderMatch {
     pub name: String,
-    #[serde(default)]
-    pub value: Option<String>,
+    pub cond: HeaderCond,
+}
+
+/// Conditions on the JSON body. A field that is absent or of the wrong type does not match a
+/// condition on it, except `stream` (absent = false, OpenAI's default) and `n` (absent = 1).
+#[derive(Debug, Clone, Default)]
+pub struct BodyMatch {
+    pub stream: Option<bool>,
+    pub max_tokens: Option<Range>,
+    pub n: Option<Range>,
+    pub model: Option<StringMatch>,
+    pub message_count: Option<Range>,
+    pub prompt_chars: Option<Range>,
+    pub priority: Option<StringMatch>,
+    pub service_tier: Option<StringMatch>,
 }
 
 /// One ordered rule: all its conditions must hold; the first matching rule decides.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Rule {
     pub name: String,
     pub class: String,
     pub pool: String,
+    pub objective: String,
     pub methods: Vec<String>,
-    pub path: Option<PathMatch>,
+    pub path: Option<StringMatch>,
     pub headers: Vec<HeaderMatch>,
+    pub body: Option<BodyMatch>,
+}
+
+/// An IP network (`10.0.0.0/8`, `::1/128`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    pub fn parse(s: &str) -> Option<Cidr> {
+        let (a, p) = match s.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s, None),
+        };
+        let addr: IpAddr = a.parse().ok()?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match p {
+            Some(p) => p.parse::<u8>().ok().filter(|p| *p <= max)?,
+            None => max,
+        };
+        Some(Cidr { addr, prefix })
+    }
+
+    pub fn contains(&self, ip: &IpAddr) -> bool {
+        fn masked(bits: u128, prefix: u8, width: u8) -> u128 {
+            if prefix == 0 {
+                0
+            } else {
+                bits >> (width - prefix)
+            }
+        }
+        match (self.addr, ip) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                masked(u32::from(n) as u128, self.prefix, 32) == masked(u32::from(*a) as u128, self.prefix, 32)
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => masked(u128::from(n), self.prefix, 128) == masked(u128::from(*a), self.prefix, 128),
+            (IpAddr::V4(n), IpAddr::V6(a)) => match a.to_ipv4_mapped() {
+                Some(a4) => masked(u32::from(n) as u128, self.prefix, 32) == masked(u32::from(a4) as u128, self.prefix, 32),
+                None => false,
+            },
+            (IpAddr::V6(_), IpAddr::V4(_)) => false,
+        }
+    }
+}
+
+/// Sources whose `x-infermesh-*` headers are kept (an upstream infermesh hop already decided).
+#[derive(Debug, Clone, Default)]
+pub struct TrustedSources {
+    pub cidrs: Vec<Cidr>,
+    /// mTLS peer identities (URI SANs, e.g. `spiffe://cluster.local/ns/gw/sa/gateway`).
+    pub principals: Vec<String>,
+}
+
+impl TrustedSources {
+    pub fn is_empty(&self) -> bool {
+        self.cidrs.is_empty() && self.principals.is_empty()
+    }
 }
 
 /// The validated configuration the request path uses.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct FilterConfig {
     pub default_class: String,
     pub default_pool: String,
+    pub default_objective: String,
     pub rules: Vec<Rule>,
+    /// Bodies up to this size are buffered when a rule needs them.
+    pub max_body_bytes: usize,
+    pub trusted: TrustedSources,
+    pub emit_objective_header: bool,
+    /// Every (class, pool) pair a decision can produce, for metrics set-up.
+    pub classes: BTreeMap<String, (String, String)>,
 }
 
 /// Why a configuration was refused; `field` is a JSON-path-like location.
@@ -109,13 +302,35 @@ fn err(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError { field: field.into(), message: message.into() }
 }
 
+fn string_match(field: &str, raw: RawStringMatch) -> Result<StringMatch, ConfigError> {
+    match (raw.exact, raw.prefix, raw.regex) {
+        (Some(x), None, None) => Ok(StringMatch::Exact(x)),
+        (None, Some(x), None) => Ok(StringMatch::Prefix(x)),
+        (None, None, Some(x)) => {
+            // Bounded compiled size: a pathological pattern is a config error, not a memory hog.
+            regex::RegexBuilder::new(&x)
+                .size_limit(1 << 20)
+                .build()
+                .map(StringMatch::Regex)
+                .map_err(|e| err(format!("{field}.regex"), format!("invalid regex: {e}")))
+        }
+        _ => Err(err(field, "exactly one of `exact`, `prefix`, `regex` is required")),
+    }
+}
+
+fn check_range(field: &str, r: Range) -> Result<Range, ConfigError> {
+    match (r.min, r.max) {
+        (None, None) => Err(err(field, "a range needs `min`, `max` or both")),
+        (Some(a), Some(b)) if a > b => Err(err(field, format!("min {a} is above max {b}"))),
+        _ => Ok(r),
+    }
+}
+
 impl FilterConfig {
     /// Parse and validate the plugin configuration bytes.
     pub fn parse(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
-        let raw: RawConfig = serde_json::from_slice(bytes).map_err(|e| {
-            // serde_json names the unknown/missing field in its message; keep it whole.
-            err("$", e.to_string())
-        })?;
+        // serde_json names the unknown or missing field and the position; keep its message.
+        let raw: RawConfig = serde_json::from_slice(bytes).map_err(|e| err("$", e.to_string()))?;
         if raw.version != CONFIG_VERSION {
             return Err(err(
                 "version",
@@ -125,49 +340,125 @@ impl FilterConfig {
         if raw.classes.is_empty() {
             return Err(err("classes", "at least one class is required"));
         }
+        let mut classes = BTreeMap::new();
         for (name, class) in &raw.classes {
             check_token(&format!("classes.{name}"), name)?;
             check_token(&format!("classes.{name}.pool"), &class.pool)?;
+            let objective = class.objective.clone().unwrap_or_else(|| name.clone());
+            if let Some(o) = &class.objective {
+                check_token(&format!("classes.{name}.objective"), o)?;
+            }
+            classes.insert(name.clone(), (class.pool.clone(), objective));
         }
-        let pool_of = |field: &str, class: &str| -> Result<String, ConfigError> {
-            raw.classes
-                .get(class)
-                .map(|c| c.pool.clone())
-                .ok_or_else(|| err(field, format!("unknown class `{class}`")))
+        let lookup = |field: &str, class: &str| -> Result<(String, String), ConfigError> {
+            classes.get(class).cloned().ok_or_else(|| err(field, format!("unknown class `{class}`")))
         };
-        let default_pool = pool_of("default_class", &raw.default_class)?;
+        let (default_pool, default_objective) = lookup("default_class", &raw.default_class)?;
         let mut rules = Vec::with_capacity(raw.rules.len());
-        let mut seen = std::collections::BTreeSet::new();
+        let mut seen = BTreeSet::new();
         for (i, r) in raw.rules.into_iter().enumerate() {
             let at = format!("rules[{i}]");
             check_token(&format!("{at}.name"), &r.name)?;
+            if r.name == crate::classify::DEFAULT_RULE || r.name == crate::classify::TRUSTED_RULE {
+                return Err(err(format!("{at}.name"), format!("`{}` is reserved", r.name)));
+            }
             if !seen.insert(r.name.clone()) {
                 return Err(err(format!("{at}.name"), format!("duplicate rule name `{}`", r.name)));
             }
-            let pool = pool_of(&format!("{at}.class"), &r.class)?;
-            if let Some(PathMatch::Exact(p) | PathMatch::Prefix(p)) = &r.matcher.path {
-                if !p.starts_with('/') {
-                    return Err(err(format!("{at}.match.path"), "a path must start with `/`"));
+            let (pool, objective) = lookup(&format!("{at}.class"), &r.class)?;
+            let m = r.matcher;
+            let path = match m.path {
+                Some(p) => {
+                    let f = format!("{at}.match.path");
+                    let sm = string_match(&f, p)?;
+                    if let StringMatch::Exact(p) | StringMatch::Prefix(p) = &sm {
+                        if !p.starts_with('/') {
+                            return Err(err(f, "a path must start with `/`"));
+                        }
+                    }
+                    Some(sm)
                 }
-            }
-            for (j, h) in r.matcher.headers.iter().enumerate() {
-                if h.name.is_empty() || h.name.bytes().any(|b| b.is_ascii_uppercase() || b <= b' ') {
-                    return Err(err(
-                        format!("{at}.match.headers[{j}].name"),
-                        "header names must be non-empty lower-case tokens",
-                    ));
+                None => None,
+            };
+            let mut headers = Vec::with_capacity(m.headers.len());
+            for (j, h) in m.headers.into_iter().enumerate() {
+                let f = format!("{at}.match.headers[{j}]");
+                if h.name.is_empty() || h.name.bytes().any(|b| b.is_ascii_uppercase() || b <= b' ' || b >= 0x7f) {
+                    return Err(err(format!("{f}.name"), "header names must be non-empty lower-case tokens"));
                 }
+                let has_value = h.exact.is_some() || h.prefix.is_some() || h.regex.is_some();
+                let cond = match (h.present, has_value) {
+                    (Some(false), false) => HeaderCond::Absent,
+                    (Some(true) | None, false) => HeaderCond::Present,
+                    (None | Some(true), true) => {
+                        HeaderCond::Value(string_match(&f, RawStringMatch { exact: h.exact, prefix: h.prefix, regex: h.regex })?)
+                    }
+                    (Some(false), true) => return Err(err(f, "`present: false` cannot be combined with a value match")),
+                };
+                headers.push(HeaderMatch { name: h.name, cond });
             }
+            let body = match m.body {
+                Some(b) => {
+                    let f = format!("{at}.match.body");
+                    let opt_range = |name: &str, r: Option<Range>| r.map(|r| check_range(&format!("{f}.{name}"), r)).transpose();
+                    let opt_str = |name: &str, s: Option<RawStringMatch>| s.map(|s| string_match(&format!("{f}.{name}"), s)).transpose();
+                    let bm = BodyMatch {
+                        stream: b.stream,
+                        max_tokens: opt_range("max_tokens", b.max_tokens)?,
+                        n: opt_range("n", b.n)?,
+                        model: opt_str("model", b.model)?,
+                        message_count: opt_range("message_count", b.message_count)?,
+                        prompt_chars: opt_range("prompt_chars", b.prompt_chars)?,
+                        priority: opt_str("priority", b.priority)?,
+                        service_tier: opt_str("service_tier", b.service_tier)?,
+                    };
+                    Some(bm)
+                }
+                None => None,
+            };
             rules.push(Rule {
                 name: r.name,
                 class: r.class,
                 pool,
-                methods: r.matcher.methods.iter().map(|m| m.to_ascii_uppercase()).collect(),
-                path: r.matcher.path,
-                headers: r.matcher.headers,
+                objective,
+                methods: m.methods.iter().map(|m| m.to_ascii_uppercase()).collect(),
+                path,
+                headers,
+                body,
             });
         }
-        Ok(FilterConfig { default_class: raw.default_class, default_pool, rules })
+        if raw.body.max_bytes == 0 || raw.body.max_bytes > MAX_MAX_BODY_BYTES {
+            return Err(err(
+                "body.max_bytes",
+                format!("must be between 1 and {MAX_MAX_BODY_BYTES} (below Envoy's 1 MiB per-connection buffer)"),
+            ));
+        }
+        let mut trusted = TrustedSources::default();
+        for (i, c) in raw.trusted_sources.cidrs.iter().enumerate() {
+            let cidr = Cidr::parse(c).ok_or_else(|| err(format!("trusted_sources.cidrs[{i}]"), format!("`{c}` is not an IP network")))?;
+            trusted.cidrs.push(cidr);
+        }
+        for (i, p) in raw.trusted_sources.principals.iter().enumerate() {
+            if p.is_empty() {
+                return Err(err(format!("trusted_sources.principals[{i}]"), "must not be empty"));
+            }
+        }
+        trusted.principals = raw.trusted_sources.principals;
+        Ok(FilterConfig {
+            default_class: raw.default_class,
+            default_pool,
+            default_objective,
+            rules,
+            max_body_bytes: raw.body.max_bytes,
+            trusted,
+            emit_objective_header: raw.emit_objective_header,
+            classes,
+        })
+    }
+
+    /// Whether any rule looks at the body (otherwise the filter never buffers).
+    pub fn needs_body(&self) -> bool {
+        self.rules.iter().any(|r| r.body.is_some())
     }
 }
 
@@ -175,11 +466,11 @@ impl FilterConfig {
 fn check_token(field: &str, value: &str) -> Result<(), ConfigError> {
     let ok = !value.is_empty()
         && value.len() <= 64
-        && value.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
+        && value.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
     if ok {
         Ok(())
     } else {
-        Err(err(field, format!("`{value}` must be 1-64 characters of [A-Za-z0-9._-]")))
+        Err(err(field, format!("`{value}` must be 1-64 characters of [A-Za-z0-9_-]")))
     }
 }
 
@@ -190,55 +481,89 @@ mod tests {
     const GOOD: &str = r#"{
         "version": 1,
         "default_class": "batch",
-        "classes": {"interactive": {"pool": "gpu-a"}, "batch": {"pool": "gpu-b"}},
+        "classes": {"interactive": {"pool": "gpu-a"}, "batch": {"pool": "gpu-b", "objective": "bulk"}},
         "rules": [
             {"name": "chat", "class": "interactive",
-             "match": {"methods": ["post"], "path": {"prefix": "/v1/chat/completions"}}}
-        ]
+             "match": {"methods": ["post"], "path": {"prefix": "/v1/chat/completions"}}},
+            {"name": "big", "class": "batch",
+             "match": {"path": {"regex": "^/v1/(chat/)?completions$"},
+                       "headers": [{"name": "x-tenant", "prefix": "eval-"}, {"name": "x-debug", "present": false}],
+                       "body": {"max_tokens": {"min": 1024}, "model": {"exact": "m"}, "stream": false}}}
+        ],
+        "body": {"max_bytes": 65536},
+        "trusted_sources": {"cidrs": ["10.0.0.0/8", "::1"], "principals": ["spiffe://cluster.local/ns/gw/sa/gw"]},
+        "emit_objective_header": true
     }"#;
+
+    fn parse_err(s: &str) -> ConfigError {
+        FilterConfig::parse(s.as_bytes()).unwrap_err()
+    }
 
     #[test]
     fn parses_a_good_config() {
         let c = FilterConfig::parse(GOOD.as_bytes()).unwrap();
         assert_eq!(c.default_pool, "gpu-b");
+        assert_eq!(c.default_objective, "bulk");
         assert_eq!(c.rules[0].pool, "gpu-a");
+        assert_eq!(c.rules[0].objective, "interactive");
         assert_eq!(c.rules[0].methods, vec!["POST".to_string()]);
+        assert!(c.needs_body());
+        assert_eq!(c.max_body_bytes, 65536);
+        assert_eq!(c.trusted.cidrs.len(), 2);
+        assert!(matches!(c.rules[1].headers[1].cond, HeaderCond::Absent));
     }
 
     #[test]
     fn rejects_wrong_version_naming_the_field() {
-        let e = FilterConfig::parse(GOOD.replace("\"version\": 1", "\"version\": 2").as_bytes()).unwrap_err();
-        assert_eq!(e.field, "version");
+        assert_eq!(parse_err(&GOOD.replace("\"version\": 1", "\"version\": 2")).field, "version");
     }
 
     #[test]
     fn rejects_unknown_class_in_rule() {
-        let e = FilterConfig::parse(GOOD.replace("\"class\": \"interactive\"", "\"class\": \"nope\"").as_bytes())
-            .unwrap_err();
+        let e = parse_err(&GOOD.replace("\"class\": \"interactive\"", "\"class\": \"nope\""));
         assert_eq!(e.field, "rules[0].class");
         assert!(e.message.contains("nope"));
     }
 
     #[test]
     fn rejects_unknown_default_class() {
-        let e = FilterConfig::parse(GOOD.replace("\"default_class\": \"batch\"", "\"default_class\": \"x\"").as_bytes())
-            .unwrap_err();
-        assert_eq!(e.field, "default_class");
+        assert_eq!(parse_err(&GOOD.replace("\"default_class\": \"batch\"", "\"default_class\": \"x\"")).field, "default_class");
     }
 
     #[test]
     fn rejects_unknown_fields_and_garbage() {
-        let e = FilterConfig::parse(GOOD.replace("\"rules\"", "\"rulez\"").as_bytes()).unwrap_err();
+        let e = parse_err(&GOOD.replace("\"rules\"", "\"rulez\""));
         assert!(e.message.contains("rulez"), "{e}");
+        let e = parse_err(&GOOD.replace("\"max_tokens\"", "\"max_tokenz\""));
+        assert!(e.message.contains("max_tokenz"), "{e}");
         assert!(FilterConfig::parse(b"\xff\x00garbage").is_err());
         assert!(FilterConfig::parse(b"").is_err());
     }
 
     #[test]
-    fn rejects_relative_paths_and_bad_names() {
-        let e = FilterConfig::parse(GOOD.replace("\"/v1/chat", "\"v1/chat").as_bytes()).unwrap_err();
-        assert_eq!(e.field, "rules[0].match.path");
-        let e = FilterConfig::parse(GOOD.replace("\"gpu-a\"", "\"gpu a\"").as_bytes()).unwrap_err();
-        assert_eq!(e.field, "classes.interactive.pool");
+    fn rejects_bad_matchers_naming_the_field() {
+        assert_eq!(parse_err(&GOOD.replace("\"/v1/chat", "\"v1/chat")).field, "rules[0].match.path");
+        assert_eq!(parse_err(&GOOD.replace("\"gpu-a\"", "\"gpu a\"")).field, "classes.interactive.pool");
+        assert_eq!(parse_err(&GOOD.replace("^/v1/(chat/)?", "^/v1/(chat/?")).field, "rules[1].match.path.regex");
+        assert_eq!(parse_err(&GOOD.replace("{\"min\": 1024}", "{}")).field, "rules[1].match.body.max_tokens");
+        assert_eq!(parse_err(&GOOD.replace("{\"min\": 1024}", "{\"min\": 9, \"max\": 3}")).field, "rules[1].match.body.max_tokens");
+        assert_eq!(parse_err(&GOOD.replace("{\"exact\": \"m\"}", "{\"exact\": \"m\", \"prefix\": \"n\"}")).field, "rules[1].match.body.model");
+        assert_eq!(parse_err(&GOOD.replace("\"x-tenant\"", "\"X-Tenant\"")).field, "rules[1].match.headers[0].name");
+        assert_eq!(parse_err(&GOOD.replace("\"10.0.0.0/8\"", "\"10.0.0.0/33\"")).field, "trusted_sources.cidrs[0]");
+        assert_eq!(parse_err(&GOOD.replace("65536", "2000000")).field, "body.max_bytes");
+        assert_eq!(parse_err(&GOOD.replace("\"name\": \"big\"", "\"name\": \"chat\"")).field, "rules[1].name");
+        assert_eq!(parse_err(&GOOD.replace("\"name\": \"big\"", "\"name\": \"default\"")).field, "rules[1].name");
+    }
+
+    #[test]
+    fn cidrs() {
+        let net = Cidr::parse("10.1.0.0/16").unwrap();
+        assert!(net.contains(&"10.1.200.3".parse().unwrap()));
+        assert!(!net.contains(&"10.2.0.1".parse().unwrap()));
+        assert!(net.contains(&"::ffff:10.1.0.9".parse().unwrap()));
+        assert!(Cidr::parse("0.0.0.0/0").unwrap().contains(&"1.2.3.4".parse().unwrap()));
+        assert!(Cidr::parse("::1").unwrap().contains(&"::1".parse().unwrap()));
+        assert!(!Cidr::parse("::1").unwrap().contains(&"127.0.0.1".parse().unwrap()));
+        assert!(Cidr::parse("nope/1").is_none());
     }
 }

@@ -1,23 +1,71 @@
 //! proxy-wasm glue: read the request, ask the pure classifier, write the decision back.
 //!
 //! The request path must never panic (a panic aborts the VM and fails every request on the
-//! worker), so every host call result is handled and the fallback is always "leave the
-//! request alone and let the default route take it".
+//! worker), so every host call result is handled and the fallback is always a decision from
+//! the headers alone. Body rules need `allow_on_headers_stop_iteration: true` in the plugin
+//! config (see docs/filter.md); the filter only pauses when a rule actually needs the body.
 
-use crate::classify::{classify, RequestView};
-use crate::config::{FilterConfig, HEADER_CLASS, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX};
+use crate::body::parse_body;
+use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, TRUSTED_RULE};
+use crate::config::{
+    FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX,
+};
+use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, LogLevel};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { config: None }) });
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+        Box::new(Root { config: None, metrics: Rc::new(Metrics::default()) })
+    });
 }}
+
+/// Counters through the proxy-wasm metrics API. Envoy shows them under `wasmcustom.`; the
+/// generated bootstrap extracts `class`, `pool`, `rule` and `reason` as tags.
+#[derive(Default)]
+struct Metrics {
+    ids: RefCell<HashMap<String, u32>>,
+}
+
+impl Metrics {
+    fn inc(&self, name: &str) {
+        let id = {
+            let mut ids = self.ids.borrow_mut();
+            match ids.get(name) {
+                Some(id) => *id,
+                None => match hostcalls::define_metric(MetricType::Counter, name) {
+                    Ok(id) => {
+                        ids.insert(name.to_string(), id);
+                        id
+                    }
+                    Err(_) => return,
+                },
+            }
+        };
+        let _ = hostcalls::increment_metric(id, 1);
+    }
+
+    fn decision(&self, d: &Decision) {
+        self.inc(&format!("infermesh.requests_total.class.{}.pool.{}.rule.{}", d.class, d.pool, d.rule));
+        if let Some(f) = d.fallback {
+            self.body_fallback(f);
+        }
+    }
+
+    fn body_fallback(&self, f: Fallback) {
+        self.inc(&format!("infermesh.body_fallbacks_total.reason.{}", f.as_str()));
+    }
+}
 
 struct Root {
     /// The last configuration that validated. A rejected update leaves it in place.
     config: Option<Rc<FilterConfig>>,
+    metrics: Rc<Metrics>,
 }
 
 impl Context for Root {}
@@ -28,16 +76,19 @@ impl RootContext for Root {
         match FilterConfig::parse(&bytes) {
             Ok(cfg) => {
                 log::info!(
-                    "infermesh: config accepted: {} rules, default class {}",
+                    "infermesh: config accepted: {} rules ({} need the body), default class {}, body limit {} bytes",
                     cfg.rules.len(),
-                    cfg.default_class
+                    cfg.rules.iter().filter(|r| r.body.is_some()).count(),
+                    cfg.default_class,
+                    cfg.max_body_bytes
                 );
                 self.config = Some(Rc::new(cfg));
                 true
             }
             Err(e) => {
+                self.metrics.inc("infermesh.config_rejections_total");
                 // Returning false makes Envoy refuse this configuration; a previously
-                // accepted one (self.config) keeps serving.
+                // accepted one keeps serving.
                 log::error!("infermesh: {e}; keeping the last good config");
                 false
             }
@@ -45,16 +96,17 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Request { config: self.config.clone() }))
+        Some(Box::new(Request {
+            config: self.config.clone(),
+            metrics: Rc::clone(&self.metrics),
+            headers: Headers { all: Vec::new() },
+            waiting_for_body: false,
+        }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
     }
-}
-
-struct Request {
-    config: Option<Rc<FilterConfig>>,
 }
 
 /// A snapshot of the request headers taken once, so the classifier sees a consistent view and
@@ -81,23 +133,184 @@ impl RequestView for Headers {
     }
 }
 
+struct Request {
+    config: Option<Rc<FilterConfig>>,
+    metrics: Rc<Metrics>,
+    headers: Headers,
+    waiting_for_body: bool,
+}
+
+impl Request {
+    fn source_is_trusted(&self, config: &FilterConfig) -> bool {
+        if config.trusted.is_empty() {
+            return false;
+        }
+        if !config.trusted.cidrs.is_empty() {
+            if let Some(ip) = self.source_ip() {
+                if config.trusted.cidrs.iter().any(|c| c.contains(&ip)) {
+                    return true;
+                }
+            }
+        }
+        if !config.trusted.principals.is_empty() {
+            for path in [["connection", "uri_san_peer_certificate"], ["connection", "dns_san_peer_certificate"]] {
+                if let Some(p) = self.get_property(path.to_vec()).and_then(|b| String::from_utf8(b).ok()) {
+                    if config.trusted.principals.iter().any(|t| *t == p) {
+                        return true;
+                    }
+                }
+            }
+        }
+        false
+    }
+
+    fn source_ip(&self) -> Option<IpAddr> {
+        let raw = self.get_property(vec!["source", "address"])?;
+        let s = String::from_utf8(raw).ok()?;
+        s.parse::<SocketAddr>().map(|a| a.ip()).ok().or_else(|| s.parse::<IpAddr>().ok())
+    }
+
+    fn write(&self, config: &FilterConfig, d: &Decision) {
+        self.set_http_request_header(HEADER_CLASS, Some(d.class));
+        self.set_http_request_header(HEADER_POOL, Some(d.pool));
+        self.set_http_request_header(HEADER_RULE, Some(d.rule));
+        if config.emit_objective_header {
+            self.set_http_request_header(HEADER_OBJECTIVE, Some(d.objective));
+        }
+        self.metrics.decision(d);
+    }
+
+    fn decide_now(&mut self, config: &FilterConfig, body: Body) {
+        self.waiting_for_body = false;
+        match classify(config, &self.headers, body) {
+            Outcome::Decided(d) => self.write(config, &d),
+            // Only reachable with Body::NotYet, which is never passed here; decide on headers.
+            Outcome::NeedBody => {
+                if let Outcome::Decided(d) = classify(config, &self.headers, Body::Unavailable(Fallback::Missing)) {
+                    self.write(config, &d)
+                }
+            }
+        }
+    }
+}
+
+fn is_json(content_type: Option<&str>) -> bool {
+    match content_type {
+        // No content type: OpenAI clients always send one, but curl -d does not say JSON;
+        // trying the parser is cheap and an invalid body falls back anyway.
+        None => true,
+        Some(ct) => {
+            let media = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+            media == "application/json" || media.ends_with("+json")
+        }
+    }
+}
+
 impl Context for Request {}
 
 impl HttpContext for Request {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let headers = Headers { all: self.get_http_request_headers() };
-        // Never trust a client's own routing headers: drop every internal header first.
-        for (name, _) in headers.all.iter().filter(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX)) {
-            self.set_http_request_header(name, None);
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.headers = Headers { all: self.get_http_request_headers() };
+        let config = match &self.config {
+            Some(c) => Rc::clone(c),
+            None => {
+                // No valid config ever arrived: still never let a client steer routing.
+                for (name, _) in self.headers.all.iter().filter(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX)) {
+                    self.set_http_request_header(name, None);
+                }
+                return Action::Continue;
+            }
+        };
+        let spoofed = self.headers.all.iter().any(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX));
+        if spoofed {
+            if self.source_is_trusted(&config) {
+                // An upstream infermesh hop already decided: keep its headers as they are.
+                if self.headers.get(HEADER_CLASS).is_some() && self.headers.get(HEADER_POOL).is_some() {
+                    self.metrics.inc(&format!("infermesh.requests_total.class.{}.pool.{}.rule.{}",
+                        self.headers.get(HEADER_CLASS).unwrap_or(""), self.headers.get(HEADER_POOL).unwrap_or(""), TRUSTED_RULE));
+                    return Action::Continue;
+                }
+            } else {
+                for (name, _) in self.headers.all.iter().filter(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX)) {
+                    self.set_http_request_header(name, None);
+                }
+                self.metrics.inc("infermesh.stripped_requests_total");
+                // The classifier must not see what was just removed.
+                self.headers.all.retain(|(k, _)| !k.starts_with(INTERNAL_HEADER_PREFIX));
+            }
+        }
+        match classify(&config, &self.headers, Body::NotYet) {
+            Outcome::Decided(d) => {
+                self.write(&config, &d);
+                Action::Continue
+            }
+            Outcome::NeedBody => {
+                let why = if end_of_stream {
+                    Some(Fallback::Missing)
+                } else if !is_json(self.headers.get("content-type")) {
+                    Some(Fallback::NotJson)
+                } else {
+                    match self.headers.get("content-length").map(|v| v.trim().parse::<usize>()) {
+                        Some(Ok(0)) => Some(Fallback::Missing),
+                        Some(Ok(n)) if n > config.max_body_bytes => Some(Fallback::TooLarge),
+                        _ => None,
+                    }
+                };
+                match why {
+                    Some(why) => {
+                        self.decide_now(&config, Body::Unavailable(why));
+                        Action::Continue
+                    }
+                    None => {
+                        self.waiting_for_body = true;
+                        Action::Pause
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !self.waiting_for_body {
+            return Action::Continue;
         }
         let config = match &self.config {
             Some(c) => Rc::clone(c),
             None => return Action::Continue,
         };
-        let d = classify(&config, &headers);
-        self.set_http_request_header(HEADER_CLASS, Some(d.class));
-        self.set_http_request_header(HEADER_POOL, Some(d.pool));
-        self.set_http_request_header(HEADER_RULE, Some(d.rule));
+        if body_size > config.max_body_bytes {
+            // A chunked body outgrew the limit: let it flow and decide on headers.
+            self.decide_now(&config, Body::Unavailable(Fallback::TooLarge));
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause; // keep buffering
+        }
+        let bytes = self.get_http_request_body(0, body_size).unwrap_or_default();
+        match parse_body(&bytes) {
+            Ok(facts) => self.decide_now(&config, Body::Parsed(&facts)),
+            Err(_) => {
+                let why = if bytes.is_empty() { Fallback::Missing } else { Fallback::InvalidJson };
+                self.decide_now(&config, Body::Unavailable(why));
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // A body followed by trailers never reports end_of_stream on the body: decide here.
+        if self.waiting_for_body {
+            if let Some(config) = self.config.clone() {
+                let bytes = hostcalls::get_buffer(proxy_wasm::types::BufferType::HttpRequestBody, 0, config.max_body_bytes)
+                    .ok()
+                    .flatten()
+                    .unwrap_or_default();
+                match parse_body(&bytes) {
+                    Ok(facts) => self.decide_now(&config, Body::Parsed(&facts)),
+                    Err(_) => self.decide_now(&config, Body::Unavailable(Fallback::InvalidJson)),
+                }
+            }
+        }
         Action::Continue
     }
 }

@@ -4,6 +4,7 @@
 //! tested natively with `cargo test`. The proxy-wasm glue in `glue.rs` is compiled for wasm32 only.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod body;
 pub mod classify;
 pub mod config;
 

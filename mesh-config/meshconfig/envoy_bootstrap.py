@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 POOL_HEADER = "x-infermesh-pool"
+REQUEST_BUFFER_LIMIT_BYTES = 2 * 1024 * 1024 + 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ def _wasm_filter(m: MeshListener) -> dict:
                 # Fail closed would turn a filter problem into an outage of every pool; open
                 # lets the default route serve while the failure shows in the logs and stats.
                 "failure_policy": "FAIL_OPEN",
+                # Lets the filter pause in on_http_request_headers and decide in the body
+                # callback; without it Envoy turns the pause into StopAllIterationAndWatermark
+                # and the request hangs (docs/filter.md).
+                "allow_on_headers_stop_iteration": True,
                 "configuration": {
                     "@type": "type.googleapis.com/google.protobuf.StringValue",
                     "value": json.dumps(m.filter_config, separators=(",", ":")),
@@ -97,6 +102,18 @@ def _cluster(p: PoolEndpoint) -> dict:
     }
 
 
+# The filter's counters carry their labels in the stat name
+# (`infermesh.requests_total.class.C.pool.P.rule.R`); these extractors turn them into tags, so
+# /stats/prometheus shows `infermesh_requests_total{class="C",pool="P",rule="R"}`.
+_R = r"^wasmcustom\.infermesh\.requests_total"
+FILTER_STATS_TAGS = [
+    {"tag_name": "class", "regex": _R + r"(\.class\.([^.]+))"},
+    {"tag_name": "pool", "regex": _R + r"\.class\.[^.]+(\.pool\.([^.]+))"},
+    {"tag_name": "rule", "regex": _R + r"\.class\.[^.]+\.pool\.[^.]+(\.rule\.([^.]+))$"},
+    {"tag_name": "reason", "regex": r"^wasmcustom\.infermesh\.body_fallbacks_total(\.reason\.([^.]+))$"},
+]
+
+
 def bootstrap(m: MeshListener) -> dict:
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -105,7 +122,17 @@ def bootstrap(m: MeshListener) -> dict:
         "stream_idle_timeout": "120s",
         "route_config": {
             "name": "infermesh",
-            "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": _routes(m)}],
+            "virtual_hosts": [
+                {
+                    "name": "inference",
+                    "domains": ["*"],
+                    "routes": _routes(m),
+                    # While the filter buffers a body (up to its body.max_bytes) one more read
+                    # of up to the connection buffer (1 MiB) can land before it lets go; the
+                    # stream's buffer must hold both, or Envoy answers 413 on the filter's behalf.
+                    "per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES,
+                }
+            ],
         },
         "http_filters": [
             _wasm_filter(m),
@@ -114,6 +141,7 @@ def bootstrap(m: MeshListener) -> dict:
     }
     return {
         # Admin is bound to loopback on its own port and is never part of a route.
+        "stats_config": {"stats_tags": FILTER_STATS_TAGS},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": m.admin_port}}},
         "static_resources": {
             "listeners": [

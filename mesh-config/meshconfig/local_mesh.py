@@ -46,6 +46,16 @@ class LocalMeshPlan:
             "classes": {"interactive": {"pool": "interactive"}, "batch": {"pool": "batch"}},
             "rules": [
                 {
+                    # A chat request that does not stream and wants a long answer is bulk work.
+                    "name": "chat-bulk",
+                    "class": "batch",
+                    "match": {
+                        "methods": ["POST"],
+                        "path": {"prefix": "/v1/chat/completions"},
+                        "body": {"stream": False, "max_tokens": {"min": 1024}},
+                    },
+                },
+                {
                     "name": "chat",
                     "class": "interactive",
                     "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}},

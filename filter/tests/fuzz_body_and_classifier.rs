@@ -1,0 +1,301 @@
+//! Randomized tests of the JSON body scanner and the classifier, bounded in time
+//! (INFERMESH_FUZZ_SECS, default 3 s each).
+//!
+//! - differential: for generated OpenAI-like bodies and for byte-level mutations of them, the
+//!   streaming scanner must agree with a reference built on serde_json::Value, and must return an
+//!   error exactly when the input is not a JSON object;
+//! - the classifier never panics, asks for the body only before it has it, and always yields a
+//!   class/pool pair that the config defines.
+//! A failure prints the seed and the input.
+
+use infermesh_filter::body::{parse_body, BodyFacts, MAX_KEPT_STRING};
+use infermesh_filter::classify::{classify, Body, Fallback, Outcome, RequestView};
+use infermesh_filter::config::FilterConfig;
+use serde_json::{json, Map, Value};
+use std::time::{Duration, Instant};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
+        &xs[self.below(xs.len() as u64) as usize]
+    }
+}
+
+fn budget() -> Duration {
+    let secs = std::env::var("INFERMESH_FUZZ_SECS").ok().and_then(|s| s.parse::<f64>().ok()).unwrap_or(3.0);
+    Duration::from_secs_f64(secs)
+}
+
+fn seed() -> u64 {
+    std::env::var("INFERMESH_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1) | 1
+    })
+}
+
+fn text(r: &mut Rng) -> String {
+    let alphabet = ["a", "b", "é", "\"", "\\", "\n", "😀", " ", "\u{0}", "{", "]", "x"];
+    let n = r.below(40);
+    (0..n).map(|_| *r.pick(&alphabet)).collect()
+}
+
+fn any_value(r: &mut Rng, depth: u32) -> Value {
+    match r.below(if depth > 3 { 6 } else { 8 }) {
+        0 => Value::Null,
+        1 => Value::Bool(r.below(2) == 0),
+        2 => json!(r.below(5000)),
+        3 => json!(-(r.below(100) as i64)),
+        4 => json!(r.below(100) as f64 + 0.5),
+        5 => Value::String(text(r)),
+        6 => Value::Array((0..r.below(4)).map(|_| any_value(r, depth + 1)).collect()),
+        _ => {
+            let mut m = Map::new();
+            for _ in 0..r.below(4) {
+                let k = r.pick(&["text", "content", "type", "role", "x"]).to_string();
+                m.insert(k, any_value(r, depth + 1));
+            }
+            Value::Object(m)
+        }
+    }
+}
+
+fn message(r: &mut Rng) -> Value {
+    match r.below(5) {
+        0 => json!({"role": "user", "content": text(r)}),
+        1 => json!({"role": "user", "content": [{"type": "text", "text": text(r)}, {"type": "image_url", "image_url": {"url": text(r)}}]}),
+        2 => json!({"role": "assistant", "content": null, "tool_calls": [any_value(r, 2)]}),
+        3 => any_value(r, 2),
+        _ => json!({"role": "system", "content": text(r), "name": text(r)}),
+    }
+}
+
+fn body(r: &mut Rng) -> Value {
+    let mut m = Map::new();
+    let fields = ["model", "stream", "max_tokens", "max_completion_tokens", "n", "messages", "prompt", "priority", "service_tier", "temperature", "tools"];
+    for _ in 0..r.below(9) {
+        let f = *r.pick(&fields);
+        let v = match (f, r.below(4)) {
+            (_, 0) => any_value(r, 1),
+            ("model", _) | ("service_tier", _) => Value::String(if r.below(10) == 0 { "m".repeat(300) } else { text(r) }),
+            ("stream", _) => Value::Bool(r.below(2) == 0),
+            ("max_tokens", _) | ("max_completion_tokens", _) | ("n", _) => json!(r.below(9000)),
+            ("messages", _) => Value::Array((0..r.below(6)).map(|_| message(r)).collect()),
+            ("prompt", _) => match r.below(3) {
+                0 => Value::String(text(r)),
+                1 => Value::Array((0..r.below(4)).map(|_| Value::String(text(r))).collect()),
+                _ => Value::Array((0..r.below(6)).map(|i| json!(i)).collect()),
+            },
+            ("priority", _) => if r.below(2) == 0 { json!(r.below(10) as i64 - 5) } else { Value::String(text(r)) },
+            _ => any_value(r, 1),
+        };
+        m.insert(f.to_string(), v);
+    }
+    Value::Object(m)
+}
+
+fn chars(s: &str) -> u64 {
+    s.chars().count() as u64
+}
+
+fn text_chars(v: &Value, depth: u32) -> u64 {
+    match v {
+        Value::String(s) => chars(s),
+        Value::Number(n) if depth > 0 && (n.is_u64() || n.is_i64()) => 1,
+        Value::Array(xs) if depth == 0 => xs.iter().map(|x| text_chars(x, depth + 1)).sum(),
+        Value::Object(m) => match m.get("text") {
+            Some(Value::String(s)) => chars(s),
+            _ => 0,
+        },
+        _ => 0,
+    }
+}
+
+fn kept(s: &str) -> String {
+    let mut end = s.len().min(MAX_KEPT_STRING);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
+/// The reference: what the scanner must find, computed from a full DOM.
+fn reference(v: &Value) -> Option<BodyFacts> {
+    let m = v.as_object()?;
+    let s = |k: &str| m.get(k).and_then(|x| x.as_str()).map(kept);
+    let (message_count, message_chars) = match m.get("messages") {
+        Some(Value::Array(xs)) => (
+            xs.len() as u64,
+            xs.iter().map(|x| x.as_object().and_then(|o| o.get("content")).map(|c| text_chars(c, 0)).unwrap_or(0)).sum(),
+        ),
+        _ => (0, 0),
+    };
+    Some(BodyFacts {
+        stream: m.get("stream").and_then(|x| x.as_bool()),
+        max_tokens: m.get("max_tokens").and_then(|x| x.as_u64()),
+        max_completion_tokens: m.get("max_completion_tokens").and_then(|x| x.as_u64()),
+        n: m.get("n").and_then(|x| x.as_u64()),
+        model: s("model"),
+        message_count,
+        prompt_chars: message_chars + m.get("prompt").map(|p| text_chars(p, 0)).unwrap_or(0),
+        priority: match m.get("priority") {
+            Some(Value::String(x)) => Some(kept(x)),
+            Some(Value::Number(n)) if n.is_u64() || n.is_i64() => Some(n.to_string()),
+            _ => None,
+        },
+        service_tier: s("service_tier"),
+    })
+}
+
+fn mutate(r: &mut Rng, mut b: Vec<u8>) -> Vec<u8> {
+    for _ in 0..1 + r.below(4) {
+        if b.is_empty() {
+            b.push(r.below(256) as u8);
+            continue;
+        }
+        let i = r.below(b.len() as u64) as usize;
+        match r.below(5) {
+            0 => b[i] = r.below(256) as u8,
+            1 => {
+                b.remove(i);
+            }
+            2 => b.insert(i, *r.pick(b"{}[]\",:0-e.\\ntfu")),
+            3 => b.truncate(i),
+            _ => {
+                let j = r.below(b.len() as u64) as usize;
+                let chunk: Vec<u8> = b[i.min(j)..i.max(j)].to_vec();
+                b.splice(i..i, chunk);
+            }
+        }
+    }
+    b
+}
+
+#[test]
+fn scanner_agrees_with_the_reference_on_generated_and_mutated_bodies() {
+    let s = seed();
+    let mut r = Rng(s);
+    let end = Instant::now() + budget();
+    let (mut n, mut valid_mutants) = (0u64, 0u64);
+    while Instant::now() < end {
+        let v = body(&mut r);
+        let bytes = serde_json::to_vec(&v).unwrap();
+        let got = parse_body(&bytes);
+        assert_eq!(got.as_ref().ok(), reference(&v).as_ref(), "seed {s}: {}", String::from_utf8_lossy(&bytes));
+        for _ in 0..4 {
+            let m = mutate(&mut r, bytes.clone());
+            let got = parse_body(&m);
+            if std::str::from_utf8(&m).is_err() {
+                // Invalid UTF-8 inside a string the scanner skips is not detected (the sidecar
+                // rejects such a body); all that matters here is no panic.
+                n += 1;
+                continue;
+            }
+            match serde_json::from_slice::<Value>(&m) {
+                Ok(dom) if dom.is_object() => {
+                    valid_mutants += 1;
+                    assert_eq!(got.as_ref().ok(), reference(&dom).as_ref(), "seed {s}: {}", String::from_utf8_lossy(&m))
+                }
+                _ => {
+                    // serde skips ignored values without checking them fully (a 1e999 the
+                    // scanner never reads is fine by it); never more lenient than that.
+                    if got.is_ok() {
+                        let structural = serde_json::from_slice::<serde::de::IgnoredAny>(&m).is_ok();
+                        assert!(structural, "seed {s}: accepted malformed input {:?}", String::from_utf8_lossy(&m));
+                    }
+                }
+            }
+            n += 1;
+        }
+        n += 1;
+    }
+    eprintln!("scanner fuzz: seed {s}, {n} inputs ({valid_mutants} valid mutants)");
+    assert!(n > 1000, "too few iterations to mean anything: {n}");
+}
+
+#[test]
+fn random_bytes_never_panic() {
+    let s = seed();
+    let mut r = Rng(s ^ 0x9e3779b97f4a7c15);
+    let end = Instant::now() + budget() / 2;
+    let mut n = 0u64;
+    while Instant::now() < end {
+        let len = r.below(300) as usize;
+        let bytes: Vec<u8> = (0..len).map(|_| r.below(256) as u8).collect();
+        let _ = parse_body(&bytes);
+        n += 1;
+    }
+    eprintln!("random bytes: seed {s}, {n} inputs");
+}
+
+struct Req {
+    method: String,
+    path: String,
+    headers: Vec<(String, String)>,
+}
+
+impl RequestView for Req {
+    fn method(&self) -> Option<&str> {
+        Some(&self.method)
+    }
+    fn path(&self) -> Option<&str> {
+        Some(&self.path)
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+#[test]
+fn classifier_never_panics_and_only_yields_configured_pairs() {
+    let cfg = FilterConfig::parse(
+        br#"{"version": 1, "default_class": "batch",
+            "classes": {"interactive": {"pool": "a"}, "batch": {"pool": "b"}, "bulk": {"pool": "b"}},
+            "rules": [
+              {"name": "h", "class": "interactive", "match": {"headers": [{"name": "x-p", "regex": "^(hi|high)$"}]}},
+              {"name": "long", "class": "bulk", "match": {"path": {"prefix": "/v1/"}, "body": {"max_tokens": {"min": 1000}, "stream": false}}},
+              {"name": "tier", "class": "interactive", "match": {"body": {"service_tier": {"prefix": "pri"}, "n": {"max": 2}}}},
+              {"name": "size", "class": "bulk", "match": {"body": {"prompt_chars": {"min": 20}, "message_count": {"min": 2}}}},
+              {"name": "model", "class": "bulk", "match": {"body": {"model": {"regex": "^eval"}}}},
+              {"name": "chat", "class": "interactive", "match": {"methods": ["POST"], "path": {"regex": "^/v1/chat/.*"}}}
+            ]}"#,
+    )
+    .unwrap();
+    let s = seed();
+    let mut r = Rng(s ^ 0x1234);
+    let end = Instant::now() + budget();
+    let mut n = 0u64;
+    while Instant::now() < end {
+        let req = Req {
+            method: r.pick(&["POST", "GET", "post", "", "PUT"]).to_string(),
+            path: format!("{}{}", r.pick(&["/v1/chat/completions", "/v1/completions", "/", "", "/v1/"]), text(&mut r)),
+            headers: (0..r.below(3)).map(|_| (r.pick(&["x-p", "content-type", "x-q"]).to_string(), text(&mut r))).collect(),
+        };
+        let v = body(&mut r);
+        let facts = parse_body(&serde_json::to_vec(&v).unwrap()).unwrap();
+        let first = classify(&cfg, &req, Body::NotYet);
+        for b in [Body::Parsed(&facts), Body::Unavailable(*r.pick(&Fallback::ALL))] {
+            match classify(&cfg, &req, b) {
+                Outcome::NeedBody => panic!("seed {s}: asked for the body after it was given"),
+                Outcome::Decided(d) => {
+                    let want_pool = if d.class == "interactive" { "a" } else { "b" };
+                    assert_eq!(d.pool, want_pool, "seed {s}");
+                    if let Outcome::Decided(early) = &first {
+                        assert_eq!(early, &d, "seed {s}: a header-only decision must not change once the body is known");
+                    }
+                }
+            }
+        }
+        n += 1;
+    }
+    eprintln!("classifier fuzz: seed {s}, {n} requests");
+}
