@@ -9,6 +9,31 @@
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::fmt;
 
+/// Visitor methods for the JSON scalars a visitor does not care about: each yields `$v`.
+macro_rules! other_scalars {
+    ($t:ty, $v:expr; $($m:ident: $a:ty),*) => {
+        $(fn $m<E>(self, _: $a) -> Result<$t, E> { Ok($v) })*
+    };
+    ($t:ty, $v:expr) => {
+        other_scalars!($t, $v; visit_bool: bool, visit_u64: u64, visit_i64: i64, visit_f64: f64, visit_str: &str);
+        fn visit_unit<E>(self) -> Result<$t, E> { Ok($v) }
+    };
+}
+
+/// Visitor methods that skip a whole array or object and yield `$v`.
+macro_rules! skip_composites {
+    ($t:ty, $v:expr) => {
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<$t, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok($v)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<$t, A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok($v)
+        }
+    };
+}
+
 /// Longest `model` / `priority` / `service_tier` value kept; longer values are cut (at a char
 /// boundary) — no rule needs more, and it bounds what one request can make the filter hold.
 pub const MAX_KEPT_STRING: usize = 256;
@@ -199,14 +224,7 @@ impl<'de> de::Deserialize<'de> for Scalar {
             fn visit_unit<E>(self) -> Result<Scalar, E> {
                 Ok(Scalar::Other)
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Scalar, A::Error> {
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(Scalar::Other)
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Scalar, A::Error> {
-                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                Ok(Scalar::Other)
-            }
+            skip_composites!(Scalar, Scalar::Other);
         }
         d.deserialize_any(V)
     }
@@ -235,17 +253,12 @@ impl<'de> Visitor<'de> for TextVisitor {
     fn visit_str<E>(self, s: &str) -> Result<u64, E> {
         Ok(s.chars().count() as u64)
     }
-    fn visit_bool<E>(self, _: bool) -> Result<u64, E> {
-        Ok(0)
-    }
+    other_scalars!(u64, 0; visit_bool: bool, visit_f64: f64);
     fn visit_u64<E>(self, _: u64) -> Result<u64, E> {
         Ok(u64::from(self.depth > 0))
     }
     fn visit_i64<E>(self, _: i64) -> Result<u64, E> {
         Ok(u64::from(self.depth > 0))
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<u64, E> {
-        Ok(0)
     }
     fn visit_unit<E>(self) -> Result<u64, E> {
         Ok(0)
@@ -329,29 +342,11 @@ impl Scalar {
             fn visit_str<E>(self, s: &str) -> Result<Option<u64>, E> {
                 Ok(Some(s.chars().count() as u64))
             }
-            fn visit_bool<E>(self, _: bool) -> Result<Option<u64>, E> {
-                Ok(None)
-            }
-            fn visit_u64<E>(self, _: u64) -> Result<Option<u64>, E> {
-                Ok(None)
-            }
-            fn visit_i64<E>(self, _: i64) -> Result<Option<u64>, E> {
-                Ok(None)
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<Option<u64>, E> {
-                Ok(None)
-            }
+            other_scalars!(Option<u64>, None; visit_bool: bool, visit_u64: u64, visit_i64: i64, visit_f64: f64);
             fn visit_unit<E>(self) -> Result<Option<u64>, E> {
                 Ok(None)
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<u64>, A::Error> {
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(None)
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<u64>, A::Error> {
-                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                Ok(None)
-            }
+            skip_composites!(Option<u64>, None);
         }
         d.deserialize_any(V)
     }
@@ -381,24 +376,7 @@ impl<'de> DeserializeSeed<'de> for MessagesSeed {
                 while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
                 Ok((0, 0))
             }
-            fn visit_str<E>(self, _: &str) -> Result<(u64, u64), E> {
-                Ok((0, 0))
-            }
-            fn visit_bool<E>(self, _: bool) -> Result<(u64, u64), E> {
-                Ok((0, 0))
-            }
-            fn visit_u64<E>(self, _: u64) -> Result<(u64, u64), E> {
-                Ok((0, 0))
-            }
-            fn visit_i64<E>(self, _: i64) -> Result<(u64, u64), E> {
-                Ok((0, 0))
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<(u64, u64), E> {
-                Ok((0, 0))
-            }
-            fn visit_unit<E>(self) -> Result<(u64, u64), E> {
-                Ok((0, 0))
-            }
+            other_scalars!((u64, u64), (0, 0));
         }
         d.deserialize_any(V)
     }
@@ -431,24 +409,7 @@ impl<'de> DeserializeSeed<'de> for MessageSeed {
                 while seq.next_element::<IgnoredAny>()?.is_some() {}
                 Ok(0)
             }
-            fn visit_str<E>(self, _: &str) -> Result<u64, E> {
-                Ok(0)
-            }
-            fn visit_bool<E>(self, _: bool) -> Result<u64, E> {
-                Ok(0)
-            }
-            fn visit_u64<E>(self, _: u64) -> Result<u64, E> {
-                Ok(0)
-            }
-            fn visit_i64<E>(self, _: i64) -> Result<u64, E> {
-                Ok(0)
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<u64, E> {
-                Ok(0)
-            }
-            fn visit_unit<E>(self) -> Result<u64, E> {
-                Ok(0)
-            }
+            other_scalars!(u64, 0);
         }
         d.deserialize_any(V)
     }
