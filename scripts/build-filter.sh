@@ -2,6 +2,8 @@
 # Build the proxy-wasm filter for wasm32-wasi with Debian's rustc 1.63 (the toolchain on these
 # machines that has a wasm32-wasi std). Debian's cargo 1.65 cannot read the crates.io sparse
 # index, so rustup's cargo vendors the locked crates into a cache first; the build is offline.
+# Extra arguments go to cargo build (the benchmark builds its baseline with
+# `--features bench-noop --target-dir target/bench-noop`).
 set -euo pipefail
 cd "$(dirname "$0")/../filter"
 HOME_DIR="${INFERMESH_HOME:-$HOME/.cache/infermesh}"
@@ -18,5 +20,5 @@ if [ ! -f "$VENDOR/.complete" ]; then
 fi
 RUSTC=/usr/bin/rustc /usr/bin/cargo build --offline --locked --release --target wasm32-wasi \
   --config "source.crates-io.replace-with=\"vendored\"" \
-  --config "source.vendored.directory=\"$VENDOR\""
-ls -l target/wasm32-wasi/release/infermesh_filter.wasm >&2
+  --config "source.vendored.directory=\"$VENDOR\"" "$@"
+[ $# -gt 0 ] || ls -l target/wasm32-wasi/release/infermesh_filter.wasm >&2

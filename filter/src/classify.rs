@@ -62,6 +62,8 @@ pub struct Decision<'c> {
     pub objective: &'c str,
     /// Set when a body rule was skipped because the body could not be used.
     pub fallback: Option<Fallback>,
+    /// Index of the rule in the config; `rules.len()` for the default.
+    pub rule_index: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,7 +82,7 @@ pub const TRUSTED_RULE: &str = "trusted";
 pub fn classify<'c>(config: &'c FilterConfig, req: &dyn RequestView, body: Body<'_>) -> Outcome<'c> {
     let path = req.path().map(strip_query);
     let mut fallback = None;
-    for rule in &config.rules {
+    for (rule_index, rule) in config.rules.iter().enumerate() {
         if !head_matches(rule, req, path) {
             continue;
         }
@@ -104,6 +106,7 @@ pub fn classify<'c>(config: &'c FilterConfig, req: &dyn RequestView, body: Body<
             rule: &rule.name,
             objective: &rule.objective,
             fallback,
+            rule_index,
         });
     }
     Outcome::Decided(Decision {
@@ -112,6 +115,7 @@ pub fn classify<'c>(config: &'c FilterConfig, req: &dyn RequestView, body: Body<
         rule: DEFAULT_RULE,
         objective: &config.default_objective,
         fallback,
+        rule_index: config.rules.len(),
     })
 }
 

@@ -6,7 +6,7 @@
 //! config (see docs/filter.md); the filter only pauses when a rule actually needs the body.
 
 use crate::body::parse_body;
-use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, TRUSTED_RULE};
+use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE, TRUSTED_RULE};
 use crate::config::{
     FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX,
 };
@@ -21,44 +21,67 @@ use std::rc::Rc;
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(Root { config: None, metrics: Rc::new(Metrics::default()) })
+        Box::new(Root { config: None, metrics: Rc::new(Metrics::default()), rejections: None })
     });
 }}
 
 /// Counters through the proxy-wasm metrics API. Envoy shows them under `wasmcustom.`; the
-/// generated bootstrap extracts `class`, `pool`, `rule` and `reason` as tags.
+/// generated bootstrap extracts `class`, `pool`, `rule` and `reason` as tags. Every counter a
+/// config can touch is defined once in `on_configure`, so a request only increments an id.
 #[derive(Default)]
 struct Metrics {
-    ids: RefCell<HashMap<String, u32>>,
+    /// One per rule, in rule order, then the default rule.
+    decisions: Vec<Option<u32>>,
+    fallbacks: [Option<u32>; 4],
+    stripped: Option<u32>,
+    /// Decisions kept from trusted sources, by (class, pool): rare, defined on first use.
+    trusted: RefCell<HashMap<(String, String), Option<u32>>>,
+}
+
+fn counter(name: &str) -> Option<u32> {
+    hostcalls::define_metric(MetricType::Counter, name).ok()
+}
+
+fn decision_metric(class: &str, pool: &str, rule: &str) -> Option<u32> {
+    counter(&format!("infermesh.requests_total.class.{class}.pool.{pool}.rule.{rule}"))
+}
+
+fn bump(id: Option<u32>) {
+    if let Some(id) = id {
+        let _ = hostcalls::increment_metric(id, 1);
+    }
 }
 
 impl Metrics {
-    fn inc(&self, name: &str) {
-        let id = {
-            let mut ids = self.ids.borrow_mut();
-            match ids.get(name) {
-                Some(id) => *id,
-                None => match hostcalls::define_metric(MetricType::Counter, name) {
-                    Ok(id) => {
-                        ids.insert(name.to_string(), id);
-                        id
-                    }
-                    Err(_) => return,
-                },
-            }
-        };
-        let _ = hostcalls::increment_metric(id, 1);
-    }
-
-    fn decision(&self, d: &Decision) {
-        self.inc(&format!("infermesh.requests_total.class.{}.pool.{}.rule.{}", d.class, d.pool, d.rule));
-        if let Some(f) = d.fallback {
-            self.body_fallback(f);
+    fn for_config(config: &FilterConfig) -> Metrics {
+        let mut decisions: Vec<Option<u32>> =
+            config.rules.iter().map(|r| decision_metric(&r.class, &r.pool, &r.name)).collect();
+        decisions.push(decision_metric(&config.default_class, &config.default_pool, DEFAULT_RULE));
+        let mut fallbacks = [None; 4];
+        for (slot, f) in fallbacks.iter_mut().zip(Fallback::ALL) {
+            *slot = counter(&format!("infermesh.body_fallbacks_total.reason.{}", f.as_str()));
+        }
+        Metrics {
+            decisions,
+            fallbacks,
+            stripped: counter("infermesh.stripped_requests_total"),
+            trusted: RefCell::new(HashMap::new()),
         }
     }
 
-    fn body_fallback(&self, f: Fallback) {
-        self.inc(&format!("infermesh.body_fallbacks_total.reason.{}", f.as_str()));
+    fn decision(&self, d: &Decision) {
+        bump(self.decisions.get(d.rule_index).copied().flatten());
+        if let Some(f) = d.fallback {
+            bump(self.fallbacks[f as usize]);
+        }
+    }
+
+    fn trusted(&self, class: &str, pool: &str) {
+        let mut t = self.trusted.borrow_mut();
+        let id = *t
+            .entry((class.to_string(), pool.to_string()))
+            .or_insert_with(|| decision_metric(class, pool, TRUSTED_RULE));
+        bump(id);
     }
 }
 
@@ -66,6 +89,7 @@ struct Root {
     /// The last configuration that validated. A rejected update leaves it in place.
     config: Option<Rc<FilterConfig>>,
     metrics: Rc<Metrics>,
+    rejections: Option<u32>,
 }
 
 impl Context for Root {}
@@ -82,11 +106,15 @@ impl RootContext for Root {
                     cfg.default_class,
                     cfg.max_body_bytes
                 );
+                self.metrics = Rc::new(Metrics::for_config(&cfg));
                 self.config = Some(Rc::new(cfg));
                 true
             }
             Err(e) => {
-                self.metrics.inc("infermesh.config_rejections_total");
+                if self.rejections.is_none() {
+                    self.rejections = counter("infermesh.config_rejections_total");
+                }
+                bump(self.rejections);
                 // Returning false makes Envoy refuse this configuration; a previously
                 // accepted one keeps serving.
                 log::error!("infermesh: {e}; keeping the last good config");
@@ -210,6 +238,9 @@ impl Context for Request {}
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if cfg!(feature = "bench-noop") {
+            return Action::Continue;
+        }
         self.headers = Headers { all: self.get_http_request_headers() };
         let config = match &self.config {
             Some(c) => Rc::clone(c),
@@ -226,15 +257,14 @@ impl HttpContext for Request {
             if self.source_is_trusted(&config) {
                 // An upstream infermesh hop already decided: keep its headers as they are.
                 if self.headers.get(HEADER_CLASS).is_some() && self.headers.get(HEADER_POOL).is_some() {
-                    self.metrics.inc(&format!("infermesh.requests_total.class.{}.pool.{}.rule.{}",
-                        self.headers.get(HEADER_CLASS).unwrap_or(""), self.headers.get(HEADER_POOL).unwrap_or(""), TRUSTED_RULE));
+                    self.metrics.trusted(self.headers.get(HEADER_CLASS).unwrap_or(""), self.headers.get(HEADER_POOL).unwrap_or(""));
                     return Action::Continue;
                 }
             } else {
                 for (name, _) in self.headers.all.iter().filter(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX)) {
                     self.set_http_request_header(name, None);
                 }
-                self.metrics.inc("infermesh.stripped_requests_total");
+                bump(self.metrics.stripped);
                 // The classifier must not see what was just removed.
                 self.headers.all.retain(|(k, _)| !k.starts_with(INTERNAL_HEADER_PREFIX));
             }

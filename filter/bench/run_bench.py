@@ -1,0 +1,248 @@
+"""Benchmark the filter inside the real Envoy, side by side in one run.
+
+Variants (each its own Envoy, --concurrency 1, in front of the same direct-response sink Envoy):
+  no-filter       Envoy without the Wasm filter
+  wasm-noop       the same module built with feature bench-noop: every callback returns at once
+                  (what proxy-wasm in Envoy costs before infermesh does anything)
+  headers-only    the filter with path/header rules only (decides in on_request_headers)
+  body            the filter with a body rule first, so it buffers and parses every chat body
+
+Load: vegeta (Go, installed from the Go module proxy by this script) on loopback,
+  - saturation: as fast as N workers go, for the throughput ratio;
+  - fixed rate: a rate every variant sustains, for added p50/p99 latency.
+Rounds interleave the variants so drift on a noisy machine hits all of them alike. Only ratios and
+differences are reported; absolute numbers from these machines are not meaningful.
+
+    python filter/bench/run_bench.py [--rounds 3] [--seconds 4] [--rate 400] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from infermesh import paths
+from infermesh.launcher import free_ports
+from infermesh.meshconfig.envoy_bootstrap import MeshListener, PoolEndpoint, bootstrap
+
+# The Envoy under test gets core 1 to itself; the load generator and the sink share core 0, so
+# the tested Envoy's CPU time per request is not inflated by them.
+PIN_TESTED = ["taskset", "-c", "1"] if os.cpu_count() and os.cpu_count() >= 2 and shutil.which("taskset") else []
+PIN_LOAD = ["taskset", "-c", "0"] if PIN_TESTED else []
+VEGETA_MODULE = "github.com/tsenart/vegeta/v12@v12.13.0"
+HEADER_RULES = {
+    "version": 1,
+    "default_class": "batch",
+    "classes": {"interactive": {"pool": "interactive"}, "batch": {"pool": "batch"}},
+    "rules": [
+        {"name": "hdr-priority", "class": "interactive", "match": {"headers": [{"name": "x-priority", "exact": "high"}]}},
+        {"name": "chat", "class": "interactive", "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}}},
+    ],
+}
+BODY_RULES = dict(
+    HEADER_RULES,
+    rules=[
+        {"name": "chat-bulk", "class": "batch",
+         "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}, "body": {"stream": False, "max_tokens": {"min": 1024}}}},
+        *HEADER_RULES["rules"],
+    ],
+)
+
+
+def vegeta() -> str:
+    found = shutil.which("vegeta") or str(paths.home() / "bin" / "vegeta")
+    if Path(found).exists():
+        return found
+    print(f"bench: installing vegeta ({VEGETA_MODULE})", file=sys.stderr, flush=True)
+    env = dict(os.environ, GOBIN=str(paths.home() / "bin"), GOFLAGS="-mod=mod")
+    subprocess.run(["go", "install", VEGETA_MODULE], check=True, env=env)
+    return str(paths.home() / "bin" / "vegeta")
+
+
+NOOP_WASM = paths.REPO_ROOT / "filter" / "target" / "bench-noop" / "wasm32-wasi" / "release" / "infermesh_filter.wasm"
+
+
+def build_noop() -> None:
+    """The baseline module: same code and size, callbacks return at once (feature bench-noop)."""
+    print("bench: building the proxy-wasm baseline module (feature bench-noop)", file=sys.stderr, flush=True)
+    subprocess.run([str(paths.REPO_ROOT / "scripts" / "build-filter.sh"), "--features", "bench-noop", "--target-dir", "target/bench-noop"],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def chat_body(size: int) -> bytes:
+    """An OpenAI chat body of about `size` bytes: several messages, streamed, short answer."""
+    msgs, filler = [], "The quick brown fox jumps over the lazy dog. "
+    per = max(1, size // 8)
+    while len(json.dumps({"messages": msgs})) < size - 120:
+        msgs.append({"role": "user" if len(msgs) % 2 == 0 else "assistant", "content": (filler * (per // len(filler) + 1))[:per]})
+    return json.dumps({"model": "llama-3-70b", "stream": True, "max_tokens": 256, "messages": msgs}).encode()
+
+
+class Proc:
+    def __init__(self, argv: list[str], log: Path):
+        self.p = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+        self.log = log
+
+    def stop(self):
+        self.p.terminate()
+        try:
+            self.p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+
+
+def wait_ready(admin_port: int, proc: Proc) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.p.poll() is not None:
+            raise RuntimeError(proc.log.read_text()[-2000:])
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("envoy not ready: " + proc.log.read_text()[-2000:])
+
+
+def start_sink(work: Path) -> tuple[Proc, int]:
+    port, admin = free_ports(2)
+    cfg = {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {"listeners": [{
+            "name": "sink",
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+            "per_connection_buffer_limit_bytes": 4 << 20,
+            "filter_chains": [{"filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": "sink",
+                    "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+                        {"match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": "{\"ok\":true}"}}}]}]},
+                    "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+                },
+            }]}],
+        }]},
+    }
+    path = work / "sink.json"
+    path.write_text(json.dumps(cfg))
+    proc = Proc(PIN_LOAD + [str(paths.envoy_binary()), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "error"], work / "sink.log")
+    wait_ready(admin, proc)
+    return proc, port
+
+
+def start_variant(work: Path, name: str, sink_port: int, runtime: str) -> tuple[Proc, int]:
+    port, admin = free_ports(2)
+    cfg = {"no-filter": HEADER_RULES, "wasm-noop": HEADER_RULES, "headers-only": HEADER_RULES, "body": BODY_RULES}[name]
+    wasm = NOOP_WASM if name == "wasm-noop" else paths.filter_wasm()
+    m = MeshListener("127.0.0.1", port, admin, wasm, cfg,
+                     [PoolEndpoint("interactive", "127.0.0.1", sink_port), PoolEndpoint("batch", "127.0.0.1", sink_port)], "batch",
+                     wasm_runtime=runtime)
+    b = bootstrap(m)
+    if name == "no-filter":
+        hcm = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"] = hcm["http_filters"][1:]
+    path = work / f"{name}.json"
+    path.write_text(json.dumps(b))
+    proc = Proc(PIN_TESTED + [str(paths.envoy_binary()), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "error"], work / f"{name}.log")
+    wait_ready(admin, proc)
+    return proc, port
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def attack(veg: str, work: Path, port: int, body: bytes, seconds: float, rate: int | None, pid: int | None = None) -> dict:
+    target = {"method": "POST", "url": f"http://127.0.0.1:{port}/v1/chat/completions",
+              "header": {"Content-Type": ["application/json"]}, "body": base64.b64encode(body).decode()}
+    tfile = work / "target.json"
+    tfile.write_text(json.dumps(target) + "\n")
+    args = PIN_LOAD + [veg, "attack", "-format=json", f"-targets={tfile}", f"-duration={seconds}s", "-keepalive=true"]
+    args += [f"-rate={rate}/s"] if rate else ["-rate=0", "-workers=8", "-max-workers=8"]
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    atk = subprocess.run(args, capture_output=True, check=True)
+    cpu = (cpu_seconds(pid) - cpu0) if pid else 0.0
+    rep = subprocess.run([veg, "report", "-type=json"], input=atk.stdout, capture_output=True, check=True)
+    r = json.loads(rep.stdout)
+    return {
+        "envoy_cpu_us_per_request": 1e6 * cpu / max(1, r["requests"]),
+        "rps": r["throughput"],
+        "p50_us": r["latencies"]["50th"] / 1000,
+        "p99_us": r["latencies"]["99th"] / 1000,
+        "success": r["success"],
+        "codes": r["status_codes"],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--rate", type=int, default=400, help="fixed rate for the latency runs (req/s)")
+    ap.add_argument("--json", help="write all samples here")
+    ap.add_argument("--runtime", default="envoy.wasm.runtime.v8", help="Wasm runtime (v8, wamr, wasmtime are in the wheel)")
+    ap.add_argument("--sizes", default="2,32,200", help="body sizes in KB to run")
+    args = ap.parse_args()
+    veg = vegeta()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    cases = [(n, kb) for kb in sizes for n in ("no-filter", "wasm-noop", "headers-only", "body") if not (kb == 200 and n == "headers-only")]
+    build_noop()
+    bodies = {kb: chat_body(kb * 1024) for kb in {kb for _, kb in cases}}
+    samples: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="infermesh-bench-") as tmp:
+        work = Path(tmp)
+        sink, sink_port = start_sink(work)
+        try:
+            for rnd in range(args.rounds):
+                for name, kb in cases:
+                    proc, port = start_variant(work, name, sink_port, args.runtime)
+                    try:
+                        attack(veg, work, port, bodies[kb], 1, None)  # warm-up: VM, connections
+                        sat = attack(veg, work, port, bodies[kb], args.seconds, None, proc.p.pid)
+                        fixed = attack(veg, work, port, bodies[kb], args.seconds, args.rate)
+                    finally:
+                        proc.stop()
+                    key = f"{name}/{kb}KB"
+                    samples.setdefault(key, []).append({"saturation": sat, "fixed": fixed})
+                    bad = [s for s in (sat, fixed) if s["success"] < 1]
+                    print(f"round {rnd + 1}/{args.rounds} {key:18s} sat {sat['rps']:8.0f} rps {sat['envoy_cpu_us_per_request']:5.1f} cpu-us/req | @{args.rate}/s p50 {fixed['p50_us']:7.0f} us p99 {fixed['p99_us']:7.0f} us"
+                          + (f"  NON-200: {[s['codes'] for s in bad]}" if bad else ""), flush=True)
+        finally:
+            sink.stop()
+
+    def med(key: str, part: str, field: str) -> float:
+        return statistics.median(s[part][field] for s in samples[key])
+
+    print("\nmedian over rounds; ratio = variant / no-filter with the same body; added = variant - no-filter")
+    print(f"{'variant':18s} {'throughput':>10s} {'ratio':>6s} {'p50 added':>10s} {'p99 added':>10s} {'envoy CPU/req added':>20s}")
+    summary = {}
+    for name, kb in cases:
+        key, base = f"{name}/{kb}KB", f"no-filter/{kb}KB"
+        ratio = med(key, "saturation", "rps") / med(base, "saturation", "rps")
+        d50 = med(key, "fixed", "p50_us") - med(base, "fixed", "p50_us")
+        d99 = med(key, "fixed", "p99_us") - med(base, "fixed", "p99_us")
+        dcpu = med(key, "saturation", "envoy_cpu_us_per_request") - med(base, "saturation", "envoy_cpu_us_per_request")
+        summary[key] = {"throughput_ratio": round(ratio, 3), "p50_added_us": round(d50, 1), "p99_added_us": round(d99, 1),
+                        "rps": round(med(key, "saturation", "rps")), "envoy_cpu_us_per_request_added": round(dcpu, 1)}
+        print(f"{key:18s} {med(key, 'saturation', 'rps'):10.0f} {ratio:6.2f} {d50:9.0f}us {d99:9.0f}us {dcpu:18.1f}us")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": summary, "samples": samples, "args": vars(args)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
