@@ -1,0 +1,241 @@
+"""Resource circuit breakers: degrade on pressure, before the errors, and recover by themselves.
+
+A breaker watches one signal (GPU memory fraction, KV-cache use, CPU load, TTFT, error rate).
+
+    CLOSED ──(signal > trip_above for sustain_s, with >= min_samples)──► OPEN
+    OPEN: applies its first action; still over trip_above for another escalate_after_s
+          ──► next action on its list (escalation), and so on
+    OPEN ──(signal < recover_below for recover_sustain_s)──► one action undone; when none are
+          left ──► HALF_OPEN
+    HALF_OPEN: normal service for up to half_open_trials requests / half_open_timeout_s
+          ──(signal stays < trip_above until then)──► CLOSED
+          ──(signal > trip_above again)──► OPEN (first action) at once
+
+Hysteresis (trip above one threshold, recover only below a lower one held for a while) and
+the sustain windows keep an oscillating signal from flapping. Time comes from an injected clock,
+so tests drive every transition without sleeping.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Clock(Protocol):
+    def __call__(self) -> float: ...
+
+
+class State(str, enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+Action = Literal["shed", "degrade", "critical_only"]
+"""What an open breaker does to the pool, mildest first:
+shed: refuse sheddable classes (429/RESOURCE_EXHAUSTED with Retry-After);
+degrade: serve new requests from the next model of the ladder (in-flight ones finish);
+critical_only: refuse everything but the highest-priority class."""
+
+ACTION_ORDER: dict[str, int] = {"shed": 1, "degrade": 2, "critical_only": 3}
+
+Signal = Literal["gpu_memory", "kv_cache", "cpu_load", "ttft_p95", "error_rate"]
+
+
+class BreakerConfig(BaseModel):
+    """One breaker. Thresholds are in the signal's unit (fractions 0-1, or seconds for TTFT)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    signal: Signal
+    """The reading this breaker watches."""
+    trip_above: Annotated[float, Field(ge=0)]
+    """Trip when the signal stays above this for `sustain_s`."""
+    recover_below: Annotated[float, Field(ge=0)]
+    """Recover only below this (lower: hysteresis), held for `recover_sustain_s`."""
+    sustain_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
+    """How long the signal must stay above `trip_above` before the breaker opens."""
+    recover_sustain_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    """How long the signal must stay below `recover_below` for each step back."""
+    min_samples: Annotated[int, Field(ge=1, le=10_000)] = 3
+    """Readings over the sustain window needed before judging at all."""
+    actions: Annotated[list[Action], Field(min_length=1)] = ["shed", "degrade"]
+    """Applied in order while the pressure lasts; undone in reverse order on recovery."""
+    escalate_after_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    """Still over `trip_above` this long after an action: apply the next one."""
+    half_open_trials: Annotated[int, Field(ge=1, le=10_000)] = 5
+    """Requests served normally in half-open before the breaker closes."""
+    half_open_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    """Half-open closes after this long without new pressure, even with fewer trials."""
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> "BreakerConfig":
+        if self.recover_below > self.trip_above:
+            raise ValueError(f"recover_below ({self.recover_below}) must not be above trip_above ({self.trip_above})")
+        if len(set(self.actions)) != len(self.actions):
+            raise ValueError("actions must not repeat")
+        if [ACTION_ORDER[a] for a in self.actions] != sorted(ACTION_ORDER[a] for a in self.actions):
+            raise ValueError("actions must escalate: shed, then degrade, then critical_only")
+        return self
+
+
+@dataclass
+class Transition:
+    breaker: str
+    at: float
+    from_state: State
+    to_state: State
+    actions: tuple[str, ...]
+    reason: str
+    value: float | None
+
+
+@dataclass
+class Breaker:
+    """One breaker's state machine. Feed it with `observe(value)`; read `state` and `actions`."""
+
+    name: str
+    config: BreakerConfig
+    clock: Clock = time.monotonic
+    on_transition: Callable[[Transition], None] | None = None
+
+    state: State = State.CLOSED
+    level: int = 0  # how many of config.actions are applied
+    last_value: float | None = None
+    # Runs of consecutive readings on one side of a threshold: (since, samples).
+    _above_since: float | None = None
+    _above_samples: int = 0
+    _below_since: float | None = None
+    _below_samples: int = 0
+    _level_since: float = 0.0
+    _half_open_since: float = 0.0
+    _half_open_trials: int = 0
+    state_since: float = field(default=0.0)
+
+    def __post_init__(self) -> None:
+        self.state_since = self.clock()
+
+    @property
+    def actions(self) -> tuple[str, ...]:
+        return tuple(self.config.actions[: self.level])
+
+    def _move(self, to: State, reason: str, value: float | None) -> None:
+        now = self.clock()
+        t = Transition(self.name, now, self.state, to, (), reason, value)
+        self.state = to
+        self.state_since = now
+        t.actions = self.actions
+        if self.on_transition:
+            self.on_transition(t)
+
+    def _notify_level(self, reason: str, value: float | None) -> None:
+        if self.on_transition:
+            self.on_transition(Transition(self.name, self.clock(), self.state, self.state, self.actions, reason, value))
+
+    def observe(self, value: float | None) -> None:
+        """One reading. `None` (no reading this time) leaves the runs as they are."""
+        if value is None:
+            return
+        now = self.clock()
+        cfg = self.config
+        self.last_value = value
+        if value > cfg.trip_above:
+            if self._above_since is None:
+                self._above_since, self._above_samples = now, 0
+            self._above_samples += 1
+        else:
+            self._above_since, self._above_samples = None, 0
+        if value < cfg.recover_below:
+            if self._below_since is None:
+                self._below_since, self._below_samples = now, 0
+            self._below_samples += 1
+        else:
+            self._below_since, self._below_samples = None, 0
+
+        sustained_above = (
+            self._above_since is not None and now - self._above_since >= cfg.sustain_s and self._above_samples >= cfg.min_samples
+        )
+        if self.state is State.CLOSED:
+            if sustained_above:
+                self.level = 1
+                self._level_since = now
+                self._move(State.OPEN, f"{cfg.signal} {value:.3g} above {cfg.trip_above:g} for {cfg.sustain_s:g}s", value)
+        elif self.state is State.OPEN:
+            held_below = (
+                self._below_since is not None
+                and now - self._below_since >= cfg.recover_sustain_s
+                and self._below_samples >= cfg.min_samples
+            )
+            if held_below:
+                self.level -= 1
+                self._level_since = now
+                # Each step back needs its own full hold below the recovery threshold.
+                self._below_since, self._below_samples = now, 0
+                if self.level == 0:
+                    self._half_open_since, self._half_open_trials = now, 0
+                    self._move(State.HALF_OPEN, f"{cfg.signal} {value:.3g} below {cfg.recover_below:g}", value)
+                else:
+                    self._notify_level(f"recovering: {cfg.signal} {value:.3g} below {cfg.recover_below:g}", value)
+            elif (
+                self._above_since is not None
+                and self.level < len(cfg.actions)
+                and now - max(self._level_since, self._above_since) >= cfg.escalate_after_s
+            ):
+                self.level += 1
+                self._level_since = now
+                self._notify_level(f"escalating: {cfg.signal} {value:.3g} still above {cfg.trip_above:g}", value)
+        elif self.state is State.HALF_OPEN:
+            if value > cfg.trip_above:
+                # Pressure is back: no sustain window this time, the trial failed.
+                self.level = 1
+                self._level_since = now
+                self._move(State.OPEN, f"half-open trial failed: {cfg.signal} {value:.3g} above {cfg.trip_above:g}", value)
+            else:
+                self._maybe_close(now, value)
+
+    def trial_admitted(self) -> None:
+        """A request was served normally while half-open."""
+        if self.state is State.HALF_OPEN:
+            self._half_open_trials += 1
+            self._maybe_close(self.clock(), self.last_value)
+
+    def _maybe_close(self, now: float, value: float | None) -> None:
+        cfg = self.config
+        if self._half_open_trials >= cfg.half_open_trials or now - self._half_open_since >= cfg.half_open_timeout_s:
+            self._move(State.CLOSED, f"recovered ({self._half_open_trials} trials)", value)
+
+    def snapshot(self) -> dict:
+        return {
+            "name": self.name,
+            "signal": self.config.signal,
+            "state": self.state.value,
+            "actions": list(self.actions),
+            "value": self.last_value,
+            "trip_above": self.config.trip_above,
+            "recover_below": self.config.recover_below,
+            "since_s": round(self.clock() - self.state_since, 3),
+        }
+
+
+@dataclass
+class PoolPolicy:
+    """The union of what the open breakers ask for: the pool's degradation level."""
+
+    breakers: list[Breaker]
+
+    @property
+    def actions(self) -> set[str]:
+        return {a for b in self.breakers for a in b.actions}
+
+    @property
+    def level(self) -> int:
+        return max((ACTION_ORDER[a] for a in self.actions), default=0)
+
+    def reasons(self) -> list[str]:
+        return [f"{b.name}:{b.config.signal}" for b in self.breakers if b.actions]

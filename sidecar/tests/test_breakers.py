@@ -1,0 +1,182 @@
+"""The breaker state machine, driven by a fake clock: no sleeps anywhere."""
+
+import pytest
+from pydantic import ValidationError
+
+from infermesh.sidecar.breakers import Breaker, BreakerConfig, PoolPolicy, State
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, dt):
+        self.t += dt
+
+
+CFG = BreakerConfig(
+    signal="gpu_memory", trip_above=0.92, recover_below=0.80, sustain_s=5, recover_sustain_s=10,
+    min_samples=3, actions=["shed", "degrade", "critical_only"], escalate_after_s=10, half_open_trials=2, half_open_timeout_s=30,
+)
+
+
+def make(cfg=CFG):
+    clock = FakeClock()
+    log = []
+    return Breaker("gpu", cfg, clock, log.append), clock, log
+
+
+def feed(b, clock, value, seconds, every=0.25):
+    """Readings of `value` every `every` s for `seconds` s (the sidecar samples at 4 Hz)."""
+    n = int(round(seconds / every))
+    for _ in range(n):
+        clock.advance(every)
+        b.observe(value)
+
+
+def test_stays_closed_below_the_threshold():
+    b, clock, log = make()
+    feed(b, clock, 0.90, 60)
+    assert b.state is State.CLOSED and not log
+
+
+def test_trips_only_after_the_sustain_window():
+    b, clock, log = make()
+    feed(b, clock, 0.95, 4.75)
+    assert b.state is State.CLOSED
+    feed(b, clock, 0.95, 0.5)
+    assert b.state is State.OPEN and b.actions == ("shed",)
+    assert log[-1].to_state is State.OPEN and "above 0.92" in log[-1].reason
+
+
+def test_min_samples_guards_sparse_readings():
+    b, clock, _ = make()
+    b.observe(0.99)
+    clock.advance(6)
+    b.observe(0.99)  # 6 s above, but only two readings
+    assert b.state is State.CLOSED
+    clock.advance(1)
+    b.observe(0.99)
+    assert b.state is State.OPEN
+
+
+def test_a_dip_restarts_the_sustain_window():
+    b, clock, _ = make()
+    for _ in range(10):
+        feed(b, clock, 0.99, 4)
+        feed(b, clock, 0.50, 0.25)
+    assert b.state is State.CLOSED
+
+
+def test_escalates_while_pressure_lasts_and_recovers_one_step_at_a_time():
+    b, clock, log = make()
+    feed(b, clock, 0.99, 5.25)
+    assert b.actions == ("shed",)
+    feed(b, clock, 0.99, 10)
+    assert b.actions == ("shed", "degrade")
+    feed(b, clock, 0.99, 10)
+    assert b.actions == ("shed", "degrade", "critical_only")
+    feed(b, clock, 0.99, 60)
+    assert b.actions == ("shed", "degrade", "critical_only"), "no level past the last action"
+    # Hysteresis: between the thresholds nothing recovers.
+    feed(b, clock, 0.85, 120)
+    assert b.state is State.OPEN and len(b.actions) == 3
+    feed(b, clock, 0.5, 10.25)  # the first reading below starts the hold
+    assert b.actions == ("shed", "degrade")
+    feed(b, clock, 0.5, 10)
+    assert b.actions == ("shed",)
+    feed(b, clock, 0.5, 10)
+    assert b.state is State.HALF_OPEN and b.actions == ()
+    states = [(t.to_state.value, t.actions) for t in log]
+    assert states == [
+        ("open", ("shed",)), ("open", ("shed", "degrade")), ("open", ("shed", "degrade", "critical_only")),
+        ("open", ("shed", "degrade")), ("open", ("shed",)), ("half_open", ()),
+    ]
+
+
+def test_half_open_closes_after_trials():
+    b, clock, _ = make()
+    feed(b, clock, 0.99, 5.25)
+    feed(b, clock, 0.5, 10.25)
+    assert b.state is State.HALF_OPEN
+    b.trial_admitted()
+    assert b.state is State.HALF_OPEN
+    b.trial_admitted()
+    assert b.state is State.CLOSED
+
+
+def test_half_open_closes_after_its_timeout_without_traffic():
+    b, clock, _ = make()
+    feed(b, clock, 0.99, 5.25)
+    feed(b, clock, 0.5, 10.25)
+    feed(b, clock, 0.85, 29.5)  # between the thresholds: not pressure
+    assert b.state is State.HALF_OPEN
+    feed(b, clock, 0.85, 0.5)
+    assert b.state is State.CLOSED
+
+
+def test_half_open_reopens_at_once_on_pressure():
+    b, clock, _ = make()
+    feed(b, clock, 0.99, 5.25)
+    feed(b, clock, 0.5, 10.25)
+    assert b.state is State.HALF_OPEN
+    clock.advance(0.25)
+    b.observe(0.97)
+    assert b.state is State.OPEN and b.actions == ("shed",)
+
+
+def test_oscillating_signal_does_not_flap():
+    b, clock, log = make()
+    # Around the trip threshold with a period shorter than the sustain window: never trips.
+    for _ in range(50):
+        feed(b, clock, 0.95, 2)
+        feed(b, clock, 0.91, 2)
+    assert not log
+    # Open, then oscillating around the recovery threshold: never recovers, never re-trips.
+    feed(b, clock, 0.95, 5.25)
+    n = len(log)
+    for _ in range(50):
+        feed(b, clock, 0.78, 4)
+        feed(b, clock, 0.82, 4)
+    assert b.state is State.OPEN and len(log) == n, "neither recovery nor escalation"
+
+
+def test_no_reading_is_not_a_reading():
+    b, clock, _ = make()
+    feed(b, clock, 0.99, 5.25)
+    for _ in range(40):
+        clock.advance(0.25)
+        b.observe(None)
+    assert b.state is State.OPEN, "the run above continued; None neither breaks nor extends it with samples"
+
+
+def test_pool_policy_is_the_union_of_open_breakers():
+    gpu, clock, _ = make()
+    cpu = Breaker("cpu", BreakerConfig(signal="cpu_load", trip_above=0.95, recover_below=0.8, sustain_s=1, min_samples=1, actions=["shed"]), clock)
+    pool = PoolPolicy([gpu, cpu])
+    assert pool.level == 0
+    feed(cpu, clock, 1.0, 1.25)
+    assert pool.actions == {"shed"} and pool.level == 1
+    feed(gpu, clock, 0.99, 15.25)
+    assert pool.actions == {"shed", "degrade"} and pool.level == 2
+    assert pool.reasons() == ["gpu:gpu_memory", "cpu:cpu_load"]
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"recover_below": 0.95}, "must not be above trip_above"),
+        ({"actions": ["degrade", "shed"]}, "must escalate"),
+        ({"actions": ["shed", "shed"]}, "must not repeat"),
+        ({"actions": []}, "at least 1"),
+        ({"signal": "temperature"}, "signal"),
+        ({"sustain_s": -1}, "greater than or equal"),
+    ],
+)
+def test_bad_configs_are_refused(kw, msg):
+    base = dict(signal="gpu_memory", trip_above=0.92, recover_below=0.8)
+    with pytest.raises(ValidationError, match=msg):
+        BreakerConfig(**(base | kw))
