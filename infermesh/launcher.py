@@ -99,6 +99,10 @@ class LocalMesh:
         p = next(p for p in self.plan.pools if p.name == pool)
         return f"http://{self.plan.host}:{p.http_port}"
 
+    def admin_url(self, pool: str) -> str:
+        p = next(p for p in self.plan.pools if p.name == pool)
+        return f"http://127.0.0.1:{p.admin_port}"
+
     @property
     def base_url(self) -> str:
         return f"http://{self.plan.host}:{self.plan.listen_port}"
@@ -114,7 +118,8 @@ class LocalMesh:
             cfg_path = self.run_dir / f"sidecar-{p.name}.json"
             cfg_path.write_text(json.dumps(self.plan.sidecar_config(p, self.models_dir), indent=2))
             self._spawn(f"sidecar-{p.name}", [sys.executable, "-m", "infermesh.sidecar.server", "--config", str(cfg_path)])
-            progress(f"sidecar {p.name}: starting ({p.model}, http :{p.http_port}, grpc :{p.grpc_port})")
+            ladder = " > ".join([p.model, *p.fallbacks])
+            progress(f"sidecar {p.name}: starting ({ladder}; http :{p.http_port}, grpc :{p.grpc_port}, admin 127.0.0.1:{p.admin_port})")
         bootstrap = write_bootstrap(self.plan.listener(self.wasm), self.run_dir / "envoy.json")
         envoy = paths.envoy_binary()
         self._spawn(

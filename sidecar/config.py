@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Annotated
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .breakers import BreakerConfig
 
 
 class _Strict(BaseModel):
@@ -56,6 +58,38 @@ class ServerConfig(_Strict):
     """On SIGTERM, how long in-flight streams may take to finish."""
 
 
+class ClassPolicy(_Strict):
+    """How the pool treats one semantic class (the mesh sets it in `x-infermesh-class`)."""
+
+    priority: Annotated[int, Field(ge=0, le=1000)] = 10
+    """Lower is more important; the lowest value is the class kept under `critical_only`."""
+    sheddable: bool = False
+    """Refused first (429 / RESOURCE_EXHAUSTED) when a breaker sheds."""
+    vllm_priority: Annotated[int, Field(ge=-1000, le=1000)] | None = None
+    """Passed to vLLM as the request priority (used with the priority scheduler)."""
+
+
+class MonitorConfig(_Strict):
+    interval_s: Annotated[float, Field(gt=0, le=5)] = 0.25
+    """How often every signal is read and fed to the breakers."""
+    window_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """Sliding window of the sidecar's own TTFT and error measurements."""
+
+
+class AdminConfig(_Strict):
+    """The admin and fault-injection API: its own port, loopback by default, never routed."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """0 picks a free port (logged at start)."""
+    allow_faults: bool = True
+    """Whether PUT /admin/faults may inject readings (drills); turn off in production."""
+
+
+def _default_classes() -> dict[str, ClassPolicy]:
+    return {"interactive": ClassPolicy(priority=0), "batch": ClassPolicy(priority=10, sheddable=True)}
+
+
 class SidecarConfig(_Strict):
     """A sidecar serves one GPU pool."""
 
@@ -66,6 +100,21 @@ class SidecarConfig(_Strict):
     models: Annotated[list[ModelConfig], Field(min_length=1)]
     """The model ladder: primary first, lighter fallbacks after it."""
     server: ServerConfig = ServerConfig()
+    breakers: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")], BreakerConfig] = {}
+    """Resource breakers of this pool, by name."""
+    classes: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")], ClassPolicy] = Field(default_factory=_default_classes)
+    default_class: str = "batch"
+    """The class of a request that carries none (direct clients, not through the mesh)."""
+    standby: bool = True
+    """Load the next model of the ladder at start, so degrading is a switch, not a cold start."""
+    monitor: MonitorConfig = MonitorConfig()
+    admin: AdminConfig = AdminConfig()
+
+    @model_validator(mode="after")
+    def _default_class_known(self) -> "SidecarConfig":
+        if self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not one of classes: {sorted(self.classes)}")
+        return self
 
     @field_validator("models")
     @classmethod

@@ -1,9 +1,10 @@
-"""The engine manager: the one owner of the pool's vLLM engine, shared by the HTTP and gRPC fronts.
+"""The engine manager: the one owner of the pool's vLLM engines, shared by the HTTP and gRPC fronts.
 
 It turns a front-neutral `GenerationRequest` into vLLM calls and a stream of `TokenDelta`s ending
-with one `Completion`. It also enforces what both fronts share: known models, unique in-flight
-request ids, the concurrency limit, and aborting the vLLM request whenever the consumer stops
-early (a client that vanished, a cancelled RPC), so its KV cache is freed at once.
+with one `Completion`, and it enforces what both fronts share: known models, unique in-flight
+request ids, the concurrency limit, aborting the vLLM request whenever the consumer stops early
+(a vanished client, a cancelled RPC) so its KV cache is freed at once — and the pool's breakers:
+which classes are shed, and which model of the ladder serves new requests.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from .breakers import Breaker, PoolPolicy, State, Transition
 from .config import ModelConfig, SidecarConfig
 from .errors import BadRequest, DuplicateRequest, EngineFailed, Overloaded, Unavailable, UnknownModel
+from .monitors import CpuLoad, EngineStats, Faults, FromFunction, GpuMemory, KvCache, Readings, RequestWindow
 
 log = logging.getLogger("infermesh.sidecar.engine")
 
@@ -55,24 +59,58 @@ class Completion:
     degraded_reason: str = ""
 
 
-class EngineManager:
-    def __init__(self, config: SidecarConfig):
-        self.config = config
-        self.primary: ModelConfig = config.models[0]
-        self._engine = None
-        self._tokenizer = None
-        self._inflight: set[str] = set()
-        self._draining = False
-        self.load_seconds: float | None = None
+@dataclass
+class Admission:
+    """Where an admitted request goes, decided once, before any byte of the response."""
 
-    # -- lifecycle ---------------------------------------------------------------------------
+    request_id: str
+    engine: "ModelEngine"
+    request_class: str
+    degraded: bool
+    degraded_reason: str
+
+
+class _StatsLogger:
+    """A vLLM stat logger that keeps the latest scheduler stats for the monitors."""
+
+    def __init__(self, sink: EngineStats):
+        self.sink = sink
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+        if scheduler_stats is not None:
+            self.sink.kv_cache_usage = scheduler_stats.kv_cache_usage
+            self.sink.running = scheduler_stats.num_running_reqs
+            self.sink.waiting = scheduler_stats.num_waiting_reqs
+            self.sink.updated = time.monotonic()
+
+    def log_engine_initialized(self):
+        pass
+
+    def log(self):
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int):
+        pass
+
+
+class ModelEngine:
+    """One vLLM AsyncLLM serving one model of the ladder."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.engine = None
+        self.tokenizer = None
+        self.stats = EngineStats()
+        self.load_seconds: float | None = None
+        self.inflight = 0
+        self.sleeping = False
 
     def start(self) -> None:
-        """Load the primary model (blocking: tens of seconds on CPU)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
 
-        m = self.primary
+        m = self.config
         t0 = time.monotonic()
         args = AsyncEngineArgs(
             model=m.path,
@@ -83,16 +121,71 @@ class EngineManager:
             max_num_seqs=m.max_num_seqs,
             dtype=m.dtype,
             enforce_eager=True,
-            disable_log_stats=False,
+            disable_log_stats=True,
         )
-        self._engine = AsyncLLM.from_engine_args(args)
-        self._tokenizer = self._engine.get_tokenizer()
+        sink = self.stats
+
+        class Logger(_StatsLogger, StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                _StatsLogger.__init__(self, sink)
+
+        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[Logger])
+        self.tokenizer = self.engine.get_tokenizer()
         self.load_seconds = time.monotonic() - t0
         log.info("engine ready", extra={"model": m.name, "load_seconds": round(self.load_seconds, 2)})
 
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def _gpu_present() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+class EngineManager:
+    def __init__(self, config: SidecarConfig, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.ladder = [ModelEngine(m) for m in config.models]
+        self.primary = self.ladder[0]
+        self._inflight: dict[str, ModelEngine | None] = {}
+        self._draining = False
+        self.faults = Faults(clock)
+        self.window = RequestWindow(config.monitor.window_s, clock=clock)
+        self.transitions: deque[dict] = deque(maxlen=256)
+        self._watchers: set[asyncio.Queue] = set()
+        self.on_change: list[Callable[[dict], None]] = []
+        self.breakers = [Breaker(name, bc, clock, self._on_transition) for name, bc in config.breakers.items()]
+        self.policy = PoolPolicy(self.breakers)
+        self._top_class = min(config.classes.items(), key=lambda kv: kv[1].priority)[0]
+        self.readings: Readings | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the primary model and, with `standby`, the next one (blocking: tens of seconds on CPU)."""
+        self.primary.start()
+        if self.config.standby and len(self.ladder) > 1:
+            self.ladder[1].start()
+        sources = {
+            "kv_cache": KvCache(lambda: self.primary.stats),
+            "cpu_load": CpuLoad(),
+            "gpu_memory": GpuMemory(),
+            "ttft_p95": FromFunction("ttft_p95", self.window.ttft_p95),
+            "error_rate": FromFunction("error_rate", self.window.error_rate),
+        }
+        self.readings = Readings(sources, self.faults)
+
     @property
     def ready(self) -> bool:
-        return self._engine is not None and not self._draining
+        return self.primary.engine is not None and not self._draining
 
     @property
     def inflight(self) -> int:
@@ -102,28 +195,159 @@ class EngineManager:
         self._draining = True
 
     def shutdown(self) -> None:
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+        for m in self.ladder:
+            m.shutdown()
+
+    # -- breakers ----------------------------------------------------------------------------
+
+    def _on_transition(self, t: Transition) -> None:
+        event = {
+            "at": time.time(),
+            "breaker": t.breaker,
+            "from": t.from_state.value,
+            "to": t.to_state.value,
+            "actions": list(t.actions),
+            "pool_actions": sorted(self.policy.actions),
+            "serving_model": self.serving_model().config.name,
+            "reason": t.reason,
+            "value": t.value,
+        }
+        self.transitions.append(event)
+        log.warning("breaker transition", extra=event)
+        for q in list(self._watchers):
+            q.put_nowait(event)
+        for cb in self.on_change:
+            cb(event)
+
+    def watch(self) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._watchers.add(q)
+        return q
+
+    def unwatch(self, q: asyncio.Queue) -> None:
+        self._watchers.discard(q)
+
+    def sample(self) -> dict[str, float | None]:
+        """Read every signal a breaker watches and feed it; returns the readings."""
+        values: dict[str, float | None] = {}
+        if self.readings is None:
+            return values
+        for b in self.breakers:
+            sig = b.config.signal
+            if sig not in values:
+                values[sig] = self.readings.read(sig)
+            b.observe(values[sig])
+        return values
+
+    async def monitor_loop(self, on_sample: Callable[[dict], None] | None = None) -> None:
+        interval = self.config.monitor.interval_s
+        while True:
+            values = self.sample()
+            if on_sample:
+                on_sample(values)
+            await self._apply_sleep_mode()
+            await asyncio.sleep(interval)
+
+    def serving_model(self) -> ModelEngine:
+        """The model new requests for the primary get: the next loaded one while degraded."""
+        if "degrade" in self.policy.actions:
+            for m in self.ladder[1:]:
+                if m.engine is not None:
+                    return m
+        return self.primary
+
+    async def _apply_sleep_mode(self) -> None:
+        # On a GPU, a degraded pool puts the big model to sleep once its in-flight requests are
+        # done, so its memory is really freed; it wakes when the pool recovers. On CPU this is
+        # off (vLLM's sleep mode needs CUDA).
+        if not _gpu_present() or len(self.ladder) < 2 or self.primary.engine is None:
+            return
+        degraded = self.serving_model() is not self.primary
+        if degraded and not self.primary.sleeping and self.primary.inflight == 0:
+            await self.primary.engine.sleep(level=1)
+            self.primary.sleeping = True
+            log.warning("primary model asleep", extra={"model": self.primary.config.name})
+        elif not degraded and self.primary.sleeping:
+            await self.primary.engine.wake_up()
+            self.primary.sleeping = False
+            log.warning("primary model awake", extra={"model": self.primary.config.name})
+
+    def state(self) -> dict:
+        return {
+            "pool": self.config.pool,
+            "served_by": self.config.served_by,
+            "ready": self.ready,
+            "draining": self._draining,
+            "level": self.policy.level,
+            "actions": sorted(self.policy.actions),
+            "serving_model": self.serving_model().config.name,
+            "primary_model": self.primary.config.name,
+            "in_flight": self.inflight,
+            "breakers": [b.snapshot() for b in self.breakers],
+            "faults": self.faults.snapshot(),
+        }
 
     # -- models ------------------------------------------------------------------------------
 
     def model_ids(self) -> list[str]:
         return [m.name for m in self.config.models]
 
-    def resolve_model(self, name: str | None) -> ModelConfig:
+    def resolve_model(self, name: str | None) -> ModelEngine:
         if not name:
             return self.primary
-        for m in self.config.models:
-            if name == m.name or name in m.aliases:
-                # Until the ladder is live (breakers), every accepted name is served by the primary.
-                return self.primary
+        for m in self.ladder:
+            if name == m.config.name or name in m.config.aliases:
+                return m
         raise UnknownModel(name, [n for m in self.config.models for n in (m.name, *m.aliases)])
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def admit(self, req: GenerationRequest) -> Admission:
+        """Check a request before any response is started, so errors get a proper status."""
+        if self.primary.engine is None:
+            raise Unavailable("the engine is still loading", retry_after_s=5)
+        if self._draining:
+            raise Unavailable("the sidecar is shutting down", retry_after_s=1)
+        asked = self.resolve_model(req.model)
+        cls = req.request_class if req.request_class in self.config.classes else self.config.default_class
+        policy = self.config.classes[cls]
+        actions = self.policy.actions
+        if "critical_only" in actions and cls != self._top_class:
+            raise Unavailable(
+                f"pool {self.config.pool} is protecting itself ({', '.join(self.policy.reasons())}): only {self._top_class} requests are served",
+                code="pool_critical_only",
+                retry_after_s=5,
+            )
+        if "shed" in actions and policy.sheddable:
+            raise Overloaded(
+                f"pool {self.config.pool} is shedding {cls} requests ({', '.join(self.policy.reasons())})",
+                code="pool_shedding",
+                retry_after_s=5,
+            )
+        if len(self._inflight) >= self.config.server.max_concurrent_requests:
+            raise Overloaded(f"more than {self.config.server.max_concurrent_requests} requests in flight", retry_after_s=1)
+        rid = req.request_id or uuid.uuid4().hex
+        if rid in self._inflight:
+            raise DuplicateRequest(f"request id {rid!r} is already in flight", param="request_id")
+        target, degraded, reason = asked, False, ""
+        if asked is self.primary:
+            target = self.serving_model()
+            if target is not self.primary:
+                degraded, reason = True, ",".join(self.policy.reasons())
+        if target.engine is None:  # a ladder model that was not loaded as a standby
+            raise Unavailable(f"model {target.config.name} is not loaded on this pool", retry_after_s=5)
+        for b in self.breakers:
+            if b.state is State.HALF_OPEN:
+                b.trial_admitted()
+        self._inflight[rid] = target
+        target.inflight += 1
+        req.request_id = rid
+        req.request_class = cls
+        return Admission(rid, target, cls, degraded, reason)
 
     # -- generation --------------------------------------------------------------------------
 
-    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
-        tok = self._tokenizer
+    def _prompt_ids(self, req: GenerationRequest, tok) -> list[int]:
         if req.messages is not None:
             try:
                 text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
@@ -134,16 +358,16 @@ class EngineManager:
             raise BadRequest("a prompt is required", param="prompt")
         return list(tok.encode(req.prompt, add_special_tokens=True))
 
-    def _sampling_params(self, req: GenerationRequest, prompt_len: int):
+    def _sampling_params(self, req: GenerationRequest, prompt_len: int, model: ModelConfig):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        max_model_len = self.primary.max_model_len
+        max_model_len = model.max_model_len
         max_tokens = req.max_tokens or min(self.config.server.default_max_tokens, max_model_len - prompt_len)
-        if prompt_len + max_tokens > max_model_len:
+        if max_tokens <= 0 or prompt_len + max_tokens > max_model_len:
             raise BadRequest(
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion).",
+                f"{prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in the messages, {max(max_tokens, 0)} in the completion).",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
@@ -161,56 +385,55 @@ class EngineManager:
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e)) from e
 
-    def admit(self, req: GenerationRequest) -> tuple[str, ModelConfig]:
-        """Check a request before any response is started, so errors get a proper status."""
-        if self._engine is None:
-            raise Unavailable("the engine is still loading", retry_after_s=5)
-        if self._draining:
-            raise Unavailable("the sidecar is shutting down", retry_after_s=1)
-        model = self.resolve_model(req.model)
-        if len(self._inflight) >= self.config.server.max_concurrent_requests:
-            raise Overloaded(
-                f"more than {self.config.server.max_concurrent_requests} requests in flight", retry_after_s=1
-            )
-        rid = req.request_id or uuid.uuid4().hex
-        if rid in self._inflight:
-            raise DuplicateRequest(f"request id {rid!r} is already in flight", param="request_id")
-        self._inflight.add(rid)
-        req.request_id = rid
-        return rid, model
-
-    async def stream(self, req: GenerationRequest, model: ModelConfig) -> AsyncIterator[TokenDelta | Completion]:
+    async def stream(self, req: GenerationRequest, adm: Admission) -> AsyncIterator[TokenDelta | Completion]:
         """Generate for an admitted request. Stopping the iteration early aborts it in vLLM."""
         from vllm.inputs import TokensPrompt
 
         rid = req.request_id
         finished = False
-        engine = self._engine
+        target = adm.engine
+        engine = target.engine
+        started = self.clock()
+        first = True
         try:
-            ids = self._prompt_ids(req)
-            params = self._sampling_params(req, len(ids))
+            ids = self._prompt_ids(req, target.tokenizer)
+            params = self._sampling_params(req, len(ids), target.config)
+            priority = self.config.classes[adm.request_class].vllm_priority or 0
             completion_tokens = 0
             try:
-                async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, rid):
+                async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, rid, priority=priority):
                     o = out.outputs[0]
                     completion_tokens += len(o.token_ids)
+                    if first and o.token_ids:
+                        first = False
+                        self.window.record_ttft(self.clock() - started)
                     if o.text or o.token_ids:
                         yield TokenDelta(o.text, list(o.token_ids))
                     if out.finished:
                         finished = True
-                        yield Completion(o.finish_reason or "stop", len(ids), completion_tokens, model.name)
+                        self.window.record_outcome(failed=False)
+                        yield Completion(
+                            o.finish_reason or "stop", len(ids), completion_tokens, target.config.name, adm.degraded, adm.degraded_reason
+                        )
                         return
             except (asyncio.CancelledError, GeneratorExit):
                 raise
             except Exception as e:
                 finished = True  # vLLM has already dropped the request
+                self.window.record_outcome(failed=True)
                 log.exception("generation failed", extra={"request_id": rid})
                 raise EngineFailed(f"generation failed: {type(e).__name__}") from e
         finally:
             if finished:
-                self._inflight.discard(rid)
+                self._forget(rid)
             else:
                 await self.release(rid)
+
+    def _forget(self, rid: str) -> ModelEngine | None:
+        target = self._inflight.pop(rid, None)
+        if target is not None:
+            target.inflight -= 1
+        return target
 
     async def release(self, rid: str) -> None:
         """Forget an admitted request and abort it in vLLM if it may still run. Idempotent.
@@ -220,10 +443,10 @@ class EngineManager:
         """
         if rid not in self._inflight:
             return
-        self._inflight.discard(rid)
-        if self._engine is not None:
+        target = self._forget(rid)
+        if target is not None and target.engine is not None:
             try:
-                await self._engine.abort(rid)
+                await target.engine.abort(rid)
                 log.info("aborted request", extra={"request_id": rid})
             except Exception:  # the engine may be shutting down; nothing is left to free
                 log.debug("abort failed", exc_info=True)

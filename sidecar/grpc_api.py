@@ -18,6 +18,8 @@ from .proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 log = logging.getLogger("infermesh.sidecar.grpc")
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+FULL_SERVICE = "infermesh.pool.full_service"
+"""Health name that is SERVING only while the pool runs without any breaker action."""
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -26,7 +28,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.metrics = metrics
 
     async def ListModels(self, request, context):
-        primary = self.engine.primary.name
+        primary = self.engine.primary.config.name
         return pb.ListModelsResponse(
             models=[pb.ModelInfo(id=m.name, aliases=list(m.aliases), primary=m.name == primary) for m in self.engine.config.models]
         )
@@ -55,15 +57,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     raise BadRequest("chat.messages must not be empty")
             else:
                 raise BadRequest("one of `text` or `chat` is required")
-            rid, model = self.engine.admit(req)
+            adm = self.engine.admit(req)
+            rid = adm.request_id
         except SidecarError as e:
-            self.metrics.requests.labels("grpc", "generate", request_class, e.grpc_code.name).inc()
+            self.metrics.count_rejection("grpc", "generate", request_class, e.grpc_code.name, e)
+            if e.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", str(max(1, int(round(e.retry_after_s))))),))
             await context.abort(e.grpc_code, e.message)
             return
         started = time.monotonic()
         first = True
         try:
-            async for ev in self.engine.stream(req, model):
+            async for ev in self.engine.stream(req, adm):
                 if isinstance(ev, TokenDelta):
                     if first:
                         self.metrics.ttft.labels("grpc", request_class).observe(time.monotonic() - started)
@@ -78,6 +83,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                             ("x-infermesh-degraded", "true" if ev.degraded else "false"),
                             ("x-infermesh-served-by", self.engine.config.served_by),
                         )
+                        + ((("x-infermesh-degraded-reason", ev.degraded_reason),) if ev.degraded_reason else ())
                     )
                     usage = pb.Usage(
                         prompt_tokens=ev.prompt_tokens,
@@ -120,6 +126,6 @@ async def start_grpc(engine: EngineManager, metrics: SidecarMetrics) -> tuple[gr
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
     await server.start()
-    for name in ("", INFERENCE_SERVICE):
+    for name in ("", INFERENCE_SERVICE, FULL_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, port

@@ -114,12 +114,15 @@ def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
     cfg = engine.config
     app = FastAPI(title="infermesh sidecar", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def identity_headers(model: str) -> dict[str, str]:
-        return {
+    def identity_headers(model: str, degraded: bool = False, reason: str = "") -> dict[str, str]:
+        h = {
             "x-infermesh-model": model,
-            "x-infermesh-degraded": "false",
+            "x-infermesh-degraded": "true" if degraded else "false",
             "x-infermesh-served-by": cfg.served_by,
         }
+        if degraded and reason:
+            h["x-infermesh-degraded-reason"] = reason
+        return h
 
     @app.get("/health")
     async def health() -> Response:
@@ -146,17 +149,18 @@ def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
             req.request_class = request_class
             stream = bool(body.get("stream", False))
             include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if stream else False
-            _, model = engine.admit(req)
+            adm = engine.admit(req)
         except SidecarError as e:
-            metrics.requests.labels("http", api, request_class, str(e.http_status)).inc()
+            metrics.count_rejection("http", api, request_class, str(e.http_status), e)
             return _error_response(e)
+        model = adm.engine.config
         created = int(time.time())
         rid = ("chatcmpl-" if api == "chat" else "cmpl-") + req.request_id
-        events = engine.stream(req, model)
+        events = engine.stream(req, adm)
         started = time.monotonic()
         if stream:
             gen = _sse(api, rid, created, model.name, events, include_usage, metrics, request_class, started, cfg.served_by)
-            headers = identity_headers(model.name) | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            headers = identity_headers(model.name, adm.degraded, adm.degraded_reason) | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             release = BackgroundTask(engine.release, req.request_id)
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers, background=release)
         text: list[str] = []
@@ -195,7 +199,7 @@ def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
             "choices": [choice],
             "usage": _usage(final, cfg.served_by),
         }
-        return JSONResponse(out, headers=identity_headers(final.model))
+        return JSONResponse(out, headers=identity_headers(final.model, final.degraded, final.degraded_reason))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

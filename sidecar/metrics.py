@@ -34,5 +34,64 @@ class SidecarMetrics:
         self.model_load = Gauge(
             "infermesh_sidecar_model_load_seconds", "Time the engine took to load a model.", ["model"], registry=self.registry
         )
+        self.shed = Counter(
+            "infermesh_sidecar_shed_requests_total",
+            "Requests refused by the pool's protection (breaker actions or the concurrency limit).",
+            ["request_class", "reason"],
+            registry=self.registry,
+        )
+        self.breaker_state = Gauge(
+            "infermesh_breaker_state",
+            "Breaker state: 0 closed, 1 half-open, 2 open.",
+            ["breaker", "signal"],
+            registry=self.registry,
+        )
+        self.breaker_actions = Gauge(
+            "infermesh_breaker_actions", "How many of a breaker's actions are applied.", ["breaker"], registry=self.registry
+        )
+        self.breaker_transitions = Counter(
+            "infermesh_breaker_transitions_total", "Breaker state changes.", ["breaker", "to"], registry=self.registry
+        )
+        self.breaker_time = Counter(
+            "infermesh_breaker_time_in_state_seconds_total", "Time spent in each state.", ["breaker", "state"], registry=self.registry
+        )
+        self.signal = Gauge("infermesh_breaker_signal", "Latest reading of a breaker signal.", ["signal"], registry=self.registry)
+        self.degradation_level = Gauge(
+            "infermesh_pool_degradation_level",
+            "0 normal, 1 shedding, 2 serving a fallback model, 3 critical classes only.",
+            registry=self.registry,
+        )
+        self.degraded = Gauge(
+            "infermesh_pool_degraded", "1 while new requests are served by a fallback model.", registry=self.registry
+        )
+        self.kv_cache = Gauge(
+            "infermesh_kv_cache_usage_ratio", "vLLM KV-cache use (0-1), by model.", ["model"], registry=self.registry
+        )
+        self.engine_requests = Gauge(
+            "infermesh_engine_requests", "Requests in the vLLM scheduler, by model and state.", ["model", "state"], registry=self.registry
+        )
         self.info = Gauge("infermesh_sidecar_info", "Static identity of this sidecar.", list(labels), registry=self.registry)
         self.info.labels(**labels).set(1)
+
+    def count_rejection(self, front: str, api: str, request_class: str, status: str, e) -> None:
+        self.requests.labels(front, api, request_class, status).inc()
+        if e.code in ("pool_shedding", "pool_critical_only") or (e.http_status == 429):
+            self.shed.labels(request_class or "unknown", e.code or "concurrency_limit").inc()
+
+    def observe_pool(self, engine, values: dict, interval_s: float) -> None:
+        """Called by the monitor loop after each sample."""
+        codes = {"closed": 0, "half_open": 1, "open": 2}
+        for b in engine.breakers:
+            self.breaker_state.labels(b.name, b.config.signal).set(codes[b.state.value])
+            self.breaker_actions.labels(b.name).set(len(b.actions))
+            self.breaker_time.labels(b.name, b.state.value).inc(interval_s)
+        for sig, v in values.items():
+            if v is not None:
+                self.signal.labels(sig).set(v)
+        self.degradation_level.set(engine.policy.level)
+        self.degraded.set(1 if engine.serving_model() is not engine.primary else 0)
+        for m in engine.ladder:
+            if m.engine is not None and m.stats.kv_cache_usage is not None:
+                self.kv_cache.labels(m.config.name).set(m.stats.kv_cache_usage)
+                self.engine_requests.labels(m.config.name, "running").set(m.stats.running)
+                self.engine_requests.labels(m.config.name, "waiting").set(m.stats.waiting)

@@ -22,7 +22,8 @@ from grpc_health.v1 import health_pb2
 
 from .config import ConfigError, load_config
 from .engine import EngineManager
-from .grpc_api import INFERENCE_SERVICE, start_grpc
+from .grpc_api import FULL_SERVICE, INFERENCE_SERVICE, start_grpc
+from .admin_api import build_admin_app
 from .http_api import build_app
 from .metrics import SidecarMetrics
 
@@ -80,7 +81,9 @@ async def run(config_path: str) -> int:
     engine = EngineManager(config)
     log.info("loading model", extra={"model": engine.primary.name, "path": engine.primary.path})
     engine.start()
-    metrics.model_load.labels(engine.primary.name).set(engine.load_seconds or 0)
+    for m in engine.ladder:
+        if m.load_seconds is not None:
+            metrics.model_load.labels(m.config.name).set(m.load_seconds)
 
     grpc_server, health_servicer, grpc_port = await start_grpc(engine, metrics)
     http = _Uvicorn(
@@ -102,9 +105,34 @@ async def run(config_path: str) -> int:
         await grpc_server.stop(0)
         engine.shutdown()
         return 1
+    admin = _Uvicorn(
+        uvicorn.Config(build_admin_app(engine), host=config.admin.host, port=config.admin.port, log_level="warning",
+                       access_log=False, lifespan="off")
+    )
+    admin_task = asyncio.create_task(admin.serve())
+    while not admin.started and not admin_task.done():
+        await asyncio.sleep(0.05)
+    admin_port = admin.servers[0].sockets[0].getsockname()[1] if admin.started else None
+
+    # grpc.health: "infermesh.pool.full_service" is SERVING only while no breaker action is on,
+    # so a checker sees a degraded pool without the endpoint being taken out of rotation.
+    async def on_sample_health(level: int) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if level == 0 else health_pb2.HealthCheckResponse.NOT_SERVING
+        await health_servicer.set(FULL_SERVICE, status)
+
+    last_level = {"v": -1}
+
+    def on_sample(values: dict) -> None:
+        metrics.observe_pool(engine, values, config.monitor.interval_s)
+        if engine.policy.level != last_level["v"]:
+            last_level["v"] = engine.policy.level
+            asyncio.get_running_loop().create_task(on_sample_health(engine.policy.level))
+
+    monitor_task = asyncio.create_task(engine.monitor_loop(on_sample))
     log.info(
         "serving",
-        extra={"http_port": config.server.http_port, "grpc_port": grpc_port, "model": engine.primary.name},
+        extra={"http_port": config.server.http_port, "grpc_port": grpc_port, "admin_port": admin_port,
+               "models": [m.config.name for m in engine.ladder if m.engine is not None]},
     )
 
     stop = asyncio.Event()
@@ -122,9 +150,11 @@ async def run(config_path: str) -> int:
     while engine.inflight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     http.should_exit = True
+    admin.should_exit = True
+    monitor_task.cancel()
     await grpc_server.stop(1.0)
     with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(http_task, timeout=5)
+        await asyncio.wait_for(asyncio.gather(http_task, admin_task), timeout=5)
     engine.shutdown()
     log.info("stopped", extra={"left_in_flight": engine.inflight})
     return 0

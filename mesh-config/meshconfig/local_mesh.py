@@ -23,7 +23,29 @@ class PoolPlan:
     """Local checkpoint name (infermesh.models.LOCAL_MODELS)."""
     http_port: int
     grpc_port: int
+    admin_port: int = 0
     kv_cache_bytes: int = 128 << 20
+    max_model_len: int = 2048
+    fallbacks: list[str] = field(default_factory=list)
+    """Lighter models after the primary: the degradation ladder (the first is a hot standby)."""
+    breakers: dict = field(default_factory=dict)
+
+
+def default_breakers(interactive: bool) -> dict:
+    """The brief's defaults, scaled to the local mesh (see docs/breakers.md)."""
+    b = {
+        # GPU memory above 92 % → degrade to the light model. No readings on a CPU machine.
+        "gpu-memory": {"signal": "gpu_memory", "trip_above": 0.92, "recover_below": 0.85, "sustain_s": 5,
+                       "recover_sustain_s": 10, "actions": ["degrade"]},
+        # CPU above 0.95 for 30 s → isolate: shed the sheddable classes.
+        "cpu": {"signal": "cpu_load", "trip_above": 0.95, "recover_below": 0.80, "sustain_s": 30,
+                "recover_sustain_s": 15, "min_samples": 20, "actions": ["shed"]},
+    }
+    if interactive:
+        b["kv-cache"] = {"signal": "kv_cache", "trip_above": 0.90, "recover_below": 0.50, "sustain_s": 2,
+                         "recover_sustain_s": 5, "actions": ["shed", "degrade"], "escalate_after_s": 0,
+                         "half_open_timeout_s": 5}
+    return b
 
 
 @dataclass
@@ -33,8 +55,9 @@ class LocalMeshPlan:
     host: str = "127.0.0.1"
     pools: list[PoolPlan] = field(
         default_factory=lambda: [
-            PoolPlan("interactive", "tiny-llama-large", 8101, 8201),
-            PoolPlan("batch", "tiny-llama-small", 8102, 8202),
+            PoolPlan("interactive", "tiny-llama-large", 8101, 8201, 8301, fallbacks=["tiny-llama-small"],
+                     breakers=default_breakers(interactive=True)),
+            PoolPlan("batch", "tiny-llama-small", 8102, 8202, 8302, breakers=default_breakers(interactive=False)),
         ]
     )
     default_class: str = "batch"
@@ -72,11 +95,17 @@ class LocalMeshPlan:
                     "name": pool.model,
                     "path": str(models_dir / pool.model),
                     "aliases": [PUBLIC_MODEL],
-                    "max_model_len": 2048,
+                    "max_model_len": pool.max_model_len,
                     "kv_cache_bytes": pool.kv_cache_bytes,
-                }
+                },
+                *[
+                    {"name": fb, "path": str(models_dir / fb), "max_model_len": pool.max_model_len, "kv_cache_bytes": pool.kv_cache_bytes}
+                    for fb in pool.fallbacks
+                ],
             ],
             "server": {"host": self.host, "http_port": pool.http_port, "grpc_port": pool.grpc_port},
+            "admin": {"host": "127.0.0.1", "port": pool.admin_port},
+            "breakers": pool.breakers,
         }
 
     def listener(self, wasm_path: Path) -> MeshListener:

@@ -24,20 +24,20 @@ class FakeEngine(EngineManager):
 
     def __init__(self):
         super().__init__(CONFIG)
-        self._engine = object()  # "loaded"
+        self.primary.engine = object()  # "loaded"
         self.seen = []
         self.released = []
 
-    async def stream(self, req, model):
+    async def stream(self, req, adm):
         self.seen.append(req)
         for i, w in enumerate(self.reply):
             yield TokenDelta(w, [i])
-        yield Completion("stop", 7, len(self.reply), model.name)
-        self._inflight.discard(req.request_id)
+        yield Completion("stop", 7, len(self.reply), adm.engine.config.name, adm.degraded, adm.degraded_reason)
+        self._forget(req.request_id)
 
     async def release(self, rid):
         self.released.append(rid)
-        self._inflight.discard(rid)
+        self._forget(rid)
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_bad_requests_get_openai_errors(client, path, body, status, param):
 
 
 def test_overload_is_429_with_retry_after(client):
-    client.engine._inflight.update(f"r{i}" for i in range(CONFIG.server.max_concurrent_requests))
+    client.engine._inflight.update({f"r{i}": None for i in range(CONFIG.server.max_concurrent_requests)})
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 429
     assert r.headers["retry-after"] == "1"
@@ -121,7 +121,7 @@ def test_overload_is_429_with_retry_after(client):
 
 
 def test_not_ready_is_503(client):
-    client.engine._engine = None
+    client.engine.primary.engine = None
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and "retry-after" in r.headers
     assert client.get("/health").status_code == 503

@@ -1,0 +1,83 @@
+"""Admin and fault-injection API: its own HTTP port, bound to 127.0.0.1 by default.
+
+It is never part of a mesh route (the mesh only knows the serving ports), and faults can be
+turned off entirely with `admin.allow_faults: false`.
+
+    GET    /admin/state              pool state: level, actions, serving model, breakers, faults
+    GET    /admin/events             Server-Sent Events: one JSON object per breaker transition
+    PUT    /admin/faults/{signal}    {"value": 0.97, "duration_s": 30}: override a reading
+    DELETE /admin/faults[/{signal}]  end injected readings
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .breakers import Signal
+from .engine import EngineManager
+
+SIGNALS = set(Signal.__args__)  # type: ignore[attr-defined]
+
+
+def build_admin_app(engine: EngineManager) -> FastAPI:
+    app = FastAPI(title="infermesh sidecar admin", docs_url=None, redoc_url=None, openapi_url=None)
+    allow = engine.config.admin.allow_faults
+
+    def err(status: int, msg: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": msg, "type": "invalid_request_error"}}, status_code=status)
+
+    @app.get("/admin/state")
+    async def state():
+        return engine.state()
+
+    @app.get("/admin/events")
+    async def events(request: Request):
+        q = engine.watch()
+
+        async def gen():
+            try:
+                # The current state first, so a watcher needs no separate GET.
+                yield b"event: state\ndata: " + json.dumps(engine.state()).encode() + b"\n\n"
+                while True:
+                    try:
+                        ev = await asyncio.wait_for(q.get(), timeout=15)
+                        yield b"event: transition\ndata: " + json.dumps(ev).encode() + b"\n\n"
+                    except asyncio.TimeoutError:
+                        yield b": keep-alive\n\n"
+            finally:
+                engine.unwatch(q)
+
+        return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.put("/admin/faults/{signal}")
+    async def set_fault(signal: str, request: Request):
+        if not allow:
+            return err(403, "fault injection is disabled (admin.allow_faults: false)")
+        if signal not in SIGNALS:
+            return err(404, f"unknown signal {signal!r}; one of {sorted(SIGNALS)}")
+        try:
+            body = json.loads(await request.body())
+            value = float(body["value"])
+            duration = float(body.get("duration_s", 60))
+        except (ValueError, KeyError, TypeError) as e:
+            return err(400, f'body must be {{"value": number, "duration_s": number}}: {e}')
+        if not (0 <= value <= 1e6) or not (0 < duration <= 3600):
+            return err(400, "value must be in [0, 1e6] and duration_s in (0, 3600]")
+        engine.faults.set(signal, value, duration)
+        return {"signal": signal, "value": value, "duration_s": duration}
+
+    @app.delete("/admin/faults")
+    async def clear_all():
+        engine.faults.clear()
+        return {"cleared": "all"}
+
+    @app.delete("/admin/faults/{signal}")
+    async def clear_one(signal: str):
+        engine.faults.clear(signal)
+        return {"cleared": signal}
+
+    return app

@@ -1,0 +1,208 @@
+"""Where breakers get their readings. Each source returns a value or None (no reading now).
+
+- GPU memory used/total through NVML (nvidia-ml-py), when a GPU is present;
+- vLLM's KV-cache use and waiting queue, from the engine's own scheduler stats;
+- CPU load averaged over the cores this process may run on (psutil);
+- TTFT p95 and error rate from the sidecar's own measurements over a sliding window;
+- faults: values set through the admin API override any source for a while (drills).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("infermesh.sidecar.monitors")
+
+
+class Source:
+    """A reading source. `read()` must be cheap: it runs on the event loop every interval."""
+
+    name = "source"
+
+    def read(self) -> float | None:
+        raise NotImplementedError
+
+
+class CpuLoad(Source):
+    """Busy fraction (0-1) of the CPUs in this process's affinity set, since the last read."""
+
+    name = "cpu_load"
+
+    def __init__(self):
+        import psutil
+
+        self._psutil = psutil
+        try:
+            self.cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.cpus = list(range(psutil.cpu_count() or 1))
+        psutil.cpu_percent(percpu=True)  # prime: the first call has no interval to measure
+
+    def read(self) -> float | None:
+        per = self._psutil.cpu_percent(percpu=True)
+        vals = [per[i] for i in self.cpus if i < len(per)]
+        return sum(vals) / len(vals) / 100.0 if vals else None
+
+
+class GpuMemory(Source):
+    """Highest used/total memory fraction over the visible NVIDIA GPUs; None without a GPU."""
+
+    name = "gpu_memory"
+
+    def __init__(self, indices: list[int] | None = None):
+        self.handles = []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            n = pynvml.nvmlDeviceGetCount()
+            self._nvml = pynvml
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in (indices if indices is not None else range(n))]
+        except Exception as e:  # no driver, no library, no device: the breaker just gets no readings
+            log.info("NVML unavailable; the GPU-memory monitor is off", extra={"reason": str(e)})
+
+    @property
+    def available(self) -> bool:
+        return bool(self.handles)
+
+    def read(self) -> float | None:
+        if not self.handles:
+            return None
+        worst = 0.0
+        for h in self.handles:
+            info = self._nvml.nvmlDeviceGetMemoryInfo(h)
+            worst = max(worst, info.used / info.total if info.total else 0.0)
+        return worst
+
+
+@dataclass
+class EngineStats:
+    """Latest scheduler stats of one vLLM engine, pushed by its stat logger every step."""
+
+    kv_cache_usage: float | None = None
+    running: int = 0
+    waiting: int = 0
+    updated: float = 0.0
+
+
+class KvCache(Source):
+    name = "kv_cache"
+
+    def __init__(self, stats: Callable[[], EngineStats | None], stale_after_s: float = 2.0):
+        self.stats = stats
+        self.stale_after_s = stale_after_s
+
+    def read(self) -> float | None:
+        s = self.stats()
+        if s is None or s.kv_cache_usage is None:
+            return None
+        # vLLM only reports while it has work; an idle engine's cache is empty.
+        if time.monotonic() - s.updated > self.stale_after_s and s.running == 0:
+            return 0.0
+        return s.kv_cache_usage
+
+
+@dataclass
+class RequestWindow:
+    """TTFTs and outcomes of recent requests, for the latency and error-rate breakers."""
+
+    window_s: float = 30.0
+    min_samples: int = 5
+    clock: Callable[[], float] = time.monotonic
+    ttfts: deque = field(default_factory=deque)
+    outcomes: deque = field(default_factory=deque)
+
+    def _trim(self, q: deque) -> None:
+        cutoff = self.clock() - self.window_s
+        while q and q[0][0] < cutoff:
+            q.popleft()
+
+    def record_ttft(self, seconds: float) -> None:
+        self.ttfts.append((self.clock(), seconds))
+
+    def record_outcome(self, failed: bool) -> None:
+        self.outcomes.append((self.clock(), failed))
+
+    def ttft_p95(self) -> float | None:
+        self._trim(self.ttfts)
+        if len(self.ttfts) < self.min_samples:
+            return None
+        vals = sorted(v for _, v in self.ttfts)
+        return vals[min(len(vals) - 1, int(0.95 * len(vals)))]
+
+    def error_rate(self) -> float | None:
+        self._trim(self.outcomes)
+        if len(self.outcomes) < self.min_samples:
+            return None
+        return sum(1 for _, f in self.outcomes if f) / len(self.outcomes)
+
+
+class FromFunction(Source):
+    def __init__(self, name: str, fn: Callable[[], float | None]):
+        self.name = name
+        self.fn = fn
+
+    def read(self) -> float | None:
+        return self.fn()
+
+
+@dataclass
+class Fault:
+    value: float
+    until: float
+
+
+class Faults:
+    """Injected readings (admin API, drills): while active they replace the real source."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.active: dict[str, Fault] = {}
+
+    def set(self, signal: str, value: float, duration_s: float) -> None:
+        self.active[signal] = Fault(value, self.clock() + duration_s)
+
+    def clear(self, signal: str | None = None) -> None:
+        if signal is None:
+            self.active.clear()
+        else:
+            self.active.pop(signal, None)
+
+    def get(self, signal: str) -> float | None:
+        f = self.active.get(signal)
+        if f is None:
+            return None
+        if self.clock() >= f.until:
+            del self.active[signal]
+            return None
+        return f.value
+
+    def snapshot(self) -> dict:
+        now = self.clock()
+        return {k: {"value": f.value, "remaining_s": round(f.until - now, 2)} for k, f in self.active.items() if f.until > now}
+
+
+class Readings:
+    """All sources by signal name, with faults on top."""
+
+    def __init__(self, sources: dict[str, Source], faults: Faults):
+        self.sources = sources
+        self.faults = faults
+
+    def read(self, signal: str) -> float | None:
+        injected = self.faults.get(signal)
+        if injected is not None:
+            return injected
+        src = self.sources.get(signal)
+        if src is None:
+            return None
+        try:
+            return src.read()
+        except Exception:  # a broken source must not stop the monitor loop
+            log.exception("monitor source failed", extra={"signal": signal})
+            return None
