@@ -79,7 +79,7 @@ async def run(config_path: str) -> int:
     setup_logging({"pool": config.pool, "instance_id": config.instance})
     metrics = SidecarMetrics(config.pool, config.instance)
     engine = EngineManager(config)
-    log.info("loading model", extra={"model": engine.primary.name, "path": engine.primary.path})
+    log.info("loading models", extra={"ladder": [m.name for m in config.models], "standby": config.standby})
     engine.start()
     for m in engine.ladder:
         if m.load_seconds is not None:
