@@ -56,6 +56,12 @@ class ServerConfig(_Strict):
     """Completion length when a request does not say."""
     drain_grace_s: Annotated[float, Field(ge=0, le=3600)] = 20.0
     """On SIGTERM, how long in-flight streams may take to finish."""
+    max_n: Annotated[int, Field(ge=1, le=128)] = 8
+    """Largest `n` (choices per request) accepted."""
+    stream_coalesce_ms: Annotated[float, Field(ge=0, le=1000)] = 10.0
+    """Under load, at most one streamed message per choice per this window (0: off)."""
+    stream_coalesce_min_inflight: Annotated[int, Field(ge=1)] = 8
+    """Coalescing starts at this many requests in flight; below it every step is sent at once."""
 
 
 class ClassPolicy(_Strict):
@@ -81,7 +87,9 @@ class AdminConfig(_Strict):
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 0
-    """0 picks a free port (logged at start)."""
+    """HTTP admin port; 0 picks a free port (logged at start)."""
+    grpc_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """gRPC Admin service port (infermesh.v1.Admin); 0 picks a free port."""
     allow_faults: bool = True
     """Whether PUT /admin/faults may inject readings (drills); turn off in production."""
 

@@ -37,6 +37,7 @@ class GenerationRequest:
     top_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    n: int = 1
     request_id: str = ""
     request_class: str = ""
 
@@ -45,6 +46,8 @@ class GenerationRequest:
 class TokenDelta:
     text: str
     token_ids: list[int]
+    index: int = 0
+    """Which of the `n` choices these tokens belong to."""
 
 
 @dataclass
@@ -57,6 +60,8 @@ class Completion:
     model: str
     degraded: bool = False
     degraded_reason: str = ""
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    """Per choice index (n > 1); `finish_reason` is choice 0's."""
 
 
 @dataclass
@@ -96,8 +101,9 @@ class _StatsLogger:
 class ModelEngine:
     """One vLLM AsyncLLM serving one model of the ladder."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, priority_scheduling: bool = False):
         self.config = config
+        self.priority_scheduling = priority_scheduling
         self.engine = None
         self.tokenizer = None
         self.stats = EngineStats()
@@ -122,6 +128,7 @@ class ModelEngine:
             dtype=m.dtype,
             enforce_eager=True,
             disable_log_stats=True,
+            scheduling_policy="priority" if self.priority_scheduling else "fcfs",
         )
         sink = self.stats
 
@@ -153,7 +160,8 @@ class EngineManager:
     def __init__(self, config: SidecarConfig, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.clock = clock
-        self.ladder = [ModelEngine(m) for m in config.models]
+        prio = any(c.vllm_priority is not None for c in config.classes.values())
+        self.ladder = [ModelEngine(m, prio) for m in config.models]
         self.primary = self.ladder[0]
         self._inflight: dict[str, ModelEngine | None] = {}
         self._draining = False
@@ -283,6 +291,19 @@ class EngineManager:
             "serving_model": self.serving_model().config.name,
             "primary_model": self.primary.config.name,
             "in_flight": self.inflight,
+            "engines": [
+                {
+                    "model": m.config.name,
+                    "loaded": m.engine is not None,
+                    "in_flight": m.inflight,
+                    # vLLM's own count of requests it still holds (KV blocks included).
+                    "unfinished": m.engine.get_num_unfinished_requests() if m.engine is not None else 0,
+                    "kv_cache_usage": m.stats.kv_cache_usage,
+                    "running": m.stats.running,
+                    "waiting": m.stats.waiting,
+                }
+                for m in self.ladder
+            ],
             "breakers": [b.snapshot() for b in self.breakers],
             "faults": self.faults.snapshot(),
         }
@@ -371,7 +392,7 @@ class EngineManager:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        kwargs: dict = {"max_tokens": max_tokens, "output_kind": RequestOutputKind.DELTA}
+        kwargs: dict = {"max_tokens": max_tokens, "output_kind": RequestOutputKind.DELTA, "n": req.n}
         if req.temperature is not None:
             kwargs["temperature"] = req.temperature
         if req.top_p is not None:
@@ -400,22 +421,34 @@ class EngineManager:
             params = self._sampling_params(req, len(ids), target.config)
             priority = self.config.classes[adm.request_class].vllm_priority or 0
             completion_tokens = 0
+            finish: dict[int, str] = {}
+            coalesce_s = self.config.server.stream_coalesce_ms / 1000.0
             try:
                 async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, rid, priority=priority):
-                    o = out.outputs[0]
-                    completion_tokens += len(o.token_ids)
-                    if first and o.token_ids:
-                        first = False
-                        self.window.record_ttft(self.clock() - started)
-                    if o.text or o.token_ids:
-                        yield TokenDelta(o.text, list(o.token_ids))
+                    produced = False
+                    for o in out.outputs:
+                        completion_tokens += len(o.token_ids)
+                        if o.finish_reason:
+                            finish[o.index] = o.finish_reason
+                        if o.text or o.token_ids:
+                            produced = True
+                            if first:
+                                first = False
+                                self.window.record_ttft(self.clock() - started)
+                            yield TokenDelta(o.text, list(o.token_ids), o.index)
                     if out.finished:
                         finished = True
                         self.window.record_outcome(failed=False)
                         yield Completion(
-                            o.finish_reason or "stop", len(ids), completion_tokens, target.config.name, adm.degraded, adm.degraded_reason
+                            finish.get(0, "stop"), len(ids), completion_tokens, target.config.name, adm.degraded,
+                            adm.degraded_reason, {i: finish.get(i, "stop") for i in range(req.n)},
                         )
                         return
+                    # Under load, let vLLM merge the next steps' tokens into one output (its
+                    # collector aggregates deltas while nobody reads): fewer, larger messages, so
+                    # per-message overhead does not cap throughput. The first token never waits.
+                    if produced and coalesce_s > 0 and len(self._inflight) >= self.config.server.stream_coalesce_min_inflight:
+                        await asyncio.sleep(coalesce_s)
             except (asyncio.CancelledError, GeneratorExit):
                 raise
             except Exception as e:

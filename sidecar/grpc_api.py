@@ -46,9 +46,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             stop=list(request.stop),
             request_id=request.request_id,
             request_class=request_class,
+            n=request.n or 1,
         )
         status = "OK"
         try:
+            if req.n > self.engine.config.server.max_n:
+                raise BadRequest(f"n must be at most {self.engine.config.server.max_n}")
             if kind == "text":
                 req.prompt = request.text
             elif kind == "chat":
@@ -67,13 +70,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return
         started = time.monotonic()
         first = True
+        last = started
         try:
             async for ev in self.engine.stream(req, adm):
                 if isinstance(ev, TokenDelta):
+                    now = time.monotonic()
                     if first:
-                        self.metrics.ttft.labels("grpc", request_class).observe(time.monotonic() - started)
+                        self.metrics.ttft.labels("grpc", request_class).observe(now - started)
                         first = False
-                    yield pb.GenerateResponse(request_id=rid, chunk=pb.TokenChunk(text=ev.text, token_ids=ev.token_ids))
+                    else:
+                        self.metrics.itl.labels("grpc", request_class).observe((now - last) / max(1, len(ev.token_ids)))
+                    last = now
+                    yield pb.GenerateResponse(request_id=rid, chunk=pb.TokenChunk(text=ev.text, token_ids=ev.token_ids, index=ev.index))
                 elif isinstance(ev, Completion):
                     self.metrics.prompt_tokens.labels(ev.model).inc(ev.prompt_tokens)
                     self.metrics.completion_tokens.labels(ev.model).inc(ev.completion_tokens)
@@ -99,6 +107,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                             degraded=ev.degraded,
                             degraded_reason=ev.degraded_reason,
                             served_by=self.engine.config.served_by,
+                            finish_reasons=[ev.finish_reasons.get(i, ev.finish_reason) for i in range(req.n)],
                         ),
                     )
         except SidecarError as e:
@@ -110,6 +119,55 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finally:
             await self.engine.release(rid)
             self.metrics.requests.labels("grpc", "generate", request_class, status).inc()
+
+
+def pool_state_pb(state: dict) -> pb.PoolState:
+    return pb.PoolState(
+        pool=state["pool"], served_by=state["served_by"], ready=state["ready"], draining=state["draining"],
+        level=state["level"], actions=state["actions"], serving_model=state["serving_model"],
+        primary_model=state["primary_model"], in_flight=state["in_flight"],
+        breakers=[
+            pb.BreakerState(name=b["name"], signal=b["signal"], state=b["state"], actions=b["actions"], value=b["value"],
+                            trip_above=b["trip_above"], recover_below=b["recover_below"])
+            for b in state["breakers"]
+        ],
+    )
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(self, engine: EngineManager):
+        self.engine = engine
+
+    async def GetState(self, request, context):
+        return pool_state_pb(self.engine.state())
+
+    async def WatchState(self, request, context):
+        q = self.engine.watch()
+        try:
+            yield pb.PoolEvent(state=pool_state_pb(self.engine.state()))
+            while True:
+                ev = await q.get()
+                yield pb.PoolEvent(
+                    transition=pb.BreakerTransition(
+                        at_unix=ev["at"], breaker=ev["breaker"], from_state=ev["from"], to_state=ev["to"],
+                        actions=ev["actions"], pool_actions=ev["pool_actions"], serving_model=ev["serving_model"],
+                        reason=ev["reason"],
+                    )
+                )
+        finally:
+            self.engine.unwatch(q)
+
+
+async def start_admin_grpc(engine: EngineManager) -> tuple[grpc.aio.Server, int]:
+    """The admin gRPC server: its own port on the admin host (loopback by default)."""
+    cfg = engine.config.admin
+    server = grpc.aio.server()
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(engine), server)
+    admin_service = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+    reflection.enable_server_reflection((admin_service, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    await server.start()
+    return server, port
 
 
 async def start_grpc(engine: EngineManager, metrics: SidecarMetrics) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:

@@ -62,12 +62,11 @@ def _opt_number(body: dict, key: str, kind: type, lo: float | None = None, hi: f
     return v
 
 
-def _parse_common(body: dict, api: str) -> GenerationRequest:
+def _parse_common(body: dict, api: str, max_n: int = 1) -> GenerationRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("`model` must be a string", param="model")
-    n = _opt_number(body, "n", int, 1, 1)
-    del n  # n > 1 is rejected above until multi-choice streaming lands
+    n = _opt_number(body, "n", int, 1, max_n) or 1
     max_tokens = _opt_number(body, "max_completion_tokens", int, 1) or _opt_number(body, "max_tokens", int, 1)
     stop = body.get("stop") or []
     if isinstance(stop, str):
@@ -81,6 +80,7 @@ def _parse_common(body: dict, api: str) -> GenerationRequest:
         top_p=_opt_number(body, "top_p", float, 0, 1),
         seed=_opt_number(body, "seed", int),
         stop=stop,
+        n=n,
     )
     if api == "chat":
         msgs = body.get("messages")
@@ -145,7 +145,7 @@ def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
         request_class = request.headers.get("x-infermesh-class", "")
         try:
             body = await _read_json(request, cfg.server.max_body_bytes)
-            req = _parse_common(body, api)
+            req = _parse_common(body, api, cfg.server.max_n)
             req.request_class = request_class
             stream = bool(body.get("stream", False))
             include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if stream else False
@@ -159,11 +159,11 @@ def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
         events = engine.stream(req, adm)
         started = time.monotonic()
         if stream:
-            gen = _sse(api, rid, created, model.name, events, include_usage, metrics, request_class, started, cfg.served_by)
+            gen = _sse(api, rid, created, model.name, events, include_usage, metrics, request_class, started, cfg.served_by, req.n)
             headers = identity_headers(model.name, adm.degraded, adm.degraded_reason) | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             release = BackgroundTask(engine.release, req.request_id)
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers, background=release)
-        text: list[str] = []
+        texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
         final: Completion | None = None
         first = True
         try:
@@ -172,7 +172,7 @@ def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
                     if first:
                         metrics.ttft.labels("http", request_class).observe(time.monotonic() - started)
                         first = False
-                    text.append(ev.text)
+                    texts.setdefault(ev.index, []).append(ev.text)
                 else:
                     final = ev
         except SidecarError as e:
@@ -185,18 +185,21 @@ def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
             return _error_response(SidecarError("generation ended without a result"))
         _count(metrics, final)
         metrics.requests.labels("http", api, request_class, "200").inc()
-        content = "".join(text)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason, "logprobs": None}
-        if api == "chat":
-            choice["message"] = {"role": "assistant", "content": content}
-        else:
-            choice["text"] = content
+        choices = []
+        for i in sorted(texts):
+            content = "".join(texts[i])
+            choice: dict[str, Any] = {"index": i, "finish_reason": final.finish_reasons.get(i, final.finish_reason), "logprobs": None}
+            if api == "chat":
+                choice["message"] = {"role": "assistant", "content": content}
+            else:
+                choice["text"] = content
+            choices.append(choice)
         out = {
             "id": rid,
             "object": "chat.completion" if api == "chat" else "text_completion",
             "created": created,
             "model": final.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": _usage(final, cfg.served_by),
         }
         return JSONResponse(out, headers=identity_headers(final.model, final.degraded, final.degraded_reason))
@@ -242,6 +245,7 @@ async def _sse(
     request_class: str,
     started: float,
     served_by: str,
+    n: int = 1,
 ) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if api == "chat" else "text_completion"
 
@@ -253,24 +257,32 @@ async def _sse(
 
     status = "200"
     first = True
+    last = 0.0
     try:
         if api == "chat":
-            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+            for i in range(n):
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
         async for ev in events:
             if isinstance(ev, TokenDelta):
+                now = time.monotonic()
                 if first:
-                    metrics.ttft.labels("http", request_class).observe(time.monotonic() - started)
+                    metrics.ttft.labels("http", request_class).observe(now - started)
                     first = False
-                if api == "chat":
-                    yield chunk({"index": 0, "delta": {"content": ev.text}, "logprobs": None, "finish_reason": None})
                 else:
-                    yield chunk({"index": 0, "text": ev.text, "logprobs": None, "finish_reason": None})
+                    metrics.itl.labels("http", request_class).observe((now - last) / max(1, len(ev.token_ids)))
+                last = now
+                if api == "chat":
+                    yield chunk({"index": ev.index, "delta": {"content": ev.text}, "logprobs": None, "finish_reason": None})
+                else:
+                    yield chunk({"index": ev.index, "text": ev.text, "logprobs": None, "finish_reason": None})
             else:
                 _count(metrics, ev)
-                if api == "chat":
-                    yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason})
-                else:
-                    yield chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": ev.finish_reason})
+                for i in range(n):
+                    reason = ev.finish_reasons.get(i, ev.finish_reason)
+                    if api == "chat":
+                        yield chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})
+                    else:
+                        yield chunk({"index": i, "text": "", "logprobs": None, "finish_reason": reason})
                 if include_usage:
                     yield chunk({}, _usage(ev, served_by))
         yield b"data: [DONE]\n\n"

@@ -24,6 +24,13 @@ class SidecarMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.itl = Histogram(
+            "infermesh_sidecar_inter_token_latency_seconds",
+            "Time between streamed tokens (per token, when a message carries several).",
+            ["front", "request_class"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "infermesh_sidecar_prompt_tokens_total", "Prompt tokens processed.", ["model"], registry=self.registry
         )

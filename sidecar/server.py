@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 
 from .config import ConfigError, load_config
 from .engine import EngineManager
-from .grpc_api import FULL_SERVICE, INFERENCE_SERVICE, start_grpc
+from .grpc_api import FULL_SERVICE, INFERENCE_SERVICE, start_admin_grpc, start_grpc
 from .admin_api import build_admin_app
 from .http_api import build_app
 from .metrics import SidecarMetrics
@@ -113,6 +113,7 @@ async def run(config_path: str) -> int:
     while not admin.started and not admin_task.done():
         await asyncio.sleep(0.05)
     admin_port = admin.servers[0].sockets[0].getsockname()[1] if admin.started else None
+    admin_grpc, admin_grpc_port = await start_admin_grpc(engine)
 
     # grpc.health: "infermesh.pool.full_service" is SERVING only while no breaker action is on,
     # so a checker sees a degraded pool without the endpoint being taken out of rotation.
@@ -131,7 +132,7 @@ async def run(config_path: str) -> int:
     monitor_task = asyncio.create_task(engine.monitor_loop(on_sample))
     log.info(
         "serving",
-        extra={"http_port": config.server.http_port, "grpc_port": grpc_port, "admin_port": admin_port,
+        extra={"http_port": config.server.http_port, "grpc_port": grpc_port, "admin_port": admin_port, "admin_grpc_port": admin_grpc_port,
                "models": [m.config.name for m in engine.ladder if m.engine is not None]},
     )
 
@@ -153,6 +154,7 @@ async def run(config_path: str) -> int:
     admin.should_exit = True
     monitor_task.cancel()
     await grpc_server.stop(1.0)
+    await admin_grpc.stop(0)
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(asyncio.gather(http_task, admin_task), timeout=5)
     engine.shutdown()

@@ -24,6 +24,7 @@ class PoolPlan:
     http_port: int
     grpc_port: int
     admin_port: int = 0
+    admin_grpc_port: int = 0
     kv_cache_bytes: int = 128 << 20
     max_model_len: int = 2048
     fallbacks: list[str] = field(default_factory=list)
@@ -55,9 +56,9 @@ class LocalMeshPlan:
     host: str = "127.0.0.1"
     pools: list[PoolPlan] = field(
         default_factory=lambda: [
-            PoolPlan("interactive", "tiny-llama-large", 8101, 8201, 8301, fallbacks=["tiny-llama-small"],
+            PoolPlan("interactive", "tiny-llama-large", 8101, 8201, 8301, 8401, fallbacks=["tiny-llama-small"],
                      breakers=default_breakers(interactive=True)),
-            PoolPlan("batch", "tiny-llama-small", 8102, 8202, 8302, breakers=default_breakers(interactive=False)),
+            PoolPlan("batch", "tiny-llama-small", 8102, 8202, 8302, 8402, breakers=default_breakers(interactive=False)),
         ]
     )
     default_class: str = "batch"
@@ -104,7 +105,7 @@ class LocalMeshPlan:
                 ],
             ],
             "server": {"host": self.host, "http_port": pool.http_port, "grpc_port": pool.grpc_port},
-            "admin": {"host": "127.0.0.1", "port": pool.admin_port},
+            "admin": {"host": "127.0.0.1", "port": pool.admin_port, "grpc_port": pool.admin_grpc_port},
             "breakers": pool.breakers,
         }
 

@@ -31,12 +31,17 @@ CFG = SidecarConfig.model_validate(
 )
 
 
+class FakeAsyncLLM:
+    def get_num_unfinished_requests(self):
+        return 0
+
+
 @pytest.fixture
 def pool():
     clock = FakeClock()
     e = EngineManager(CFG, clock)
     for m in e.ladder:
-        m.engine = object()  # both "loaded": the small model is the hot standby
+        m.engine = FakeAsyncLLM()  # both "loaded": the small model is the hot standby
     e.faults = Faults(clock)
     e.readings = Readings({}, e.faults)
     e.clock_ = clock
@@ -138,3 +143,15 @@ def test_faults_expire():
     assert f.get("cpu_load") == 1.0
     clock.t = 5
     assert f.get("cpu_load") is None and f.snapshot() == {}
+
+
+def test_admin_state_as_protobuf(pool):
+    from infermesh.sidecar.grpc_api import pool_state_pb
+
+    st = pool_state_pb(pool.state())
+    assert st.serving_model == "big" and st.breakers[0].state == "closed"
+    assert not st.breakers[0].HasField("value"), "no reading yet is unset, not 0"
+    pool.faults.set("kv_cache", 0.97, 1000)
+    tick(pool, 1.25)
+    st = pool_state_pb(pool.state())
+    assert st.level == 1 and list(st.actions) == ["shed"] and st.breakers[0].value == pytest.approx(0.97)

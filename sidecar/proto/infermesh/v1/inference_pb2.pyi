@@ -21,7 +21,7 @@ class ChatPrompt(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "chat", "max_tokens", "temperature", "top_p", "seed", "stop", "request_class")
+    __slots__ = ("request_id", "model", "text", "chat", "max_tokens", "temperature", "top_p", "seed", "stop", "request_class", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -42,15 +43,18 @@ class GenerateRequest(_message.Message):
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     request_class: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_class: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_class: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("text", "token_ids")
+    __slots__ = ("text", "token_ids", "index")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    index: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
@@ -63,20 +67,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "usage", "model", "degraded", "degraded_reason", "served_by")
+    __slots__ = ("finish_reason", "usage", "model", "degraded", "degraded_reason", "served_by", "finish_reasons")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
     SERVED_BY_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     model: str
     degraded: bool
     degraded_reason: str
     served_by: str
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., degraded: _Optional[bool] = ..., degraded_reason: _Optional[str] = ..., served_by: _Optional[str] = ...) -> None: ...
+    finish_reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., degraded: _Optional[bool] = ..., degraded_reason: _Optional[str] = ..., served_by: _Optional[str] = ..., finish_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "final")
@@ -107,3 +113,81 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class GetStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BreakerState(_message.Message):
+    __slots__ = ("name", "signal", "state", "actions", "value", "trip_above", "recover_below")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TRIP_ABOVE_FIELD_NUMBER: _ClassVar[int]
+    RECOVER_BELOW_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    signal: str
+    state: str
+    actions: _containers.RepeatedScalarFieldContainer[str]
+    value: float
+    trip_above: float
+    recover_below: float
+    def __init__(self, name: _Optional[str] = ..., signal: _Optional[str] = ..., state: _Optional[str] = ..., actions: _Optional[_Iterable[str]] = ..., value: _Optional[float] = ..., trip_above: _Optional[float] = ..., recover_below: _Optional[float] = ...) -> None: ...
+
+class PoolState(_message.Message):
+    __slots__ = ("pool", "served_by", "ready", "draining", "level", "actions", "serving_model", "primary_model", "in_flight", "breakers")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BY_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    BREAKERS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    served_by: str
+    ready: bool
+    draining: bool
+    level: int
+    actions: _containers.RepeatedScalarFieldContainer[str]
+    serving_model: str
+    primary_model: str
+    in_flight: int
+    breakers: _containers.RepeatedCompositeFieldContainer[BreakerState]
+    def __init__(self, pool: _Optional[str] = ..., served_by: _Optional[str] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., level: _Optional[int] = ..., actions: _Optional[_Iterable[str]] = ..., serving_model: _Optional[str] = ..., primary_model: _Optional[str] = ..., in_flight: _Optional[int] = ..., breakers: _Optional[_Iterable[_Union[BreakerState, _Mapping]]] = ...) -> None: ...
+
+class BreakerTransition(_message.Message):
+    __slots__ = ("at_unix", "breaker", "from_state", "to_state", "actions", "pool_actions", "serving_model", "reason")
+    AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_FIELD_NUMBER: _ClassVar[int]
+    FROM_STATE_FIELD_NUMBER: _ClassVar[int]
+    TO_STATE_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    POOL_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_MODEL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    at_unix: float
+    breaker: str
+    from_state: str
+    to_state: str
+    actions: _containers.RepeatedScalarFieldContainer[str]
+    pool_actions: _containers.RepeatedScalarFieldContainer[str]
+    serving_model: str
+    reason: str
+    def __init__(self, at_unix: _Optional[float] = ..., breaker: _Optional[str] = ..., from_state: _Optional[str] = ..., to_state: _Optional[str] = ..., actions: _Optional[_Iterable[str]] = ..., pool_actions: _Optional[_Iterable[str]] = ..., serving_model: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PoolEvent(_message.Message):
+    __slots__ = ("state", "transition")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    state: PoolState
+    transition: BreakerTransition
+    def __init__(self, state: _Optional[_Union[PoolState, _Mapping]] = ..., transition: _Optional[_Union[BreakerTransition, _Mapping]] = ...) -> None: ...

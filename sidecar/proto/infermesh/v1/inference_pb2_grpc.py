@@ -146,3 +146,125 @@ class Inference:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Pool state and breaker transitions. Served only on the admin gRPC port (127.0.0.1 by
+    default), never through the mesh.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetState = channel.unary_unary(
+                '/infermesh.v1.Admin/GetState',
+                request_serializer=infermesh_dot_v1_dot_inference__pb2.GetStateRequest.SerializeToString,
+                response_deserializer=infermesh_dot_v1_dot_inference__pb2.PoolState.FromString,
+                _registered_method=True)
+        self.WatchState = channel.unary_stream(
+                '/infermesh.v1.Admin/WatchState',
+                request_serializer=infermesh_dot_v1_dot_inference__pb2.WatchStateRequest.SerializeToString,
+                response_deserializer=infermesh_dot_v1_dot_inference__pb2.PoolEvent.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Pool state and breaker transitions. Served only on the admin gRPC port (127.0.0.1 by
+    default), never through the mesh.
+    """
+
+    def GetState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchState(self, request, context):
+        """The current state first, then one event per breaker transition, until the client leaves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetState,
+                    request_deserializer=infermesh_dot_v1_dot_inference__pb2.GetStateRequest.FromString,
+                    response_serializer=infermesh_dot_v1_dot_inference__pb2.PoolState.SerializeToString,
+            ),
+            'WatchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchState,
+                    request_deserializer=infermesh_dot_v1_dot_inference__pb2.WatchStateRequest.FromString,
+                    response_serializer=infermesh_dot_v1_dot_inference__pb2.PoolEvent.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'infermesh.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('infermesh.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Pool state and breaker transitions. Served only on the admin gRPC port (127.0.0.1 by
+    default), never through the mesh.
+    """
+
+    @staticmethod
+    def GetState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Admin/GetState',
+            infermesh_dot_v1_dot_inference__pb2.GetStateRequest.SerializeToString,
+            infermesh_dot_v1_dot_inference__pb2.PoolState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/infermesh.v1.Admin/WatchState',
+            infermesh_dot_v1_dot_inference__pb2.WatchStateRequest.SerializeToString,
+            infermesh_dot_v1_dot_inference__pb2.PoolEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
