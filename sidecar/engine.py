@@ -38,6 +38,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     n: int = 1
+    ignore_eos: bool = False
     request_id: str = ""
     request_class: str = ""
 
@@ -392,7 +393,7 @@ class EngineManager:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        kwargs: dict = {"max_tokens": max_tokens, "output_kind": RequestOutputKind.DELTA, "n": req.n}
+        kwargs: dict = {"max_tokens": max_tokens, "output_kind": RequestOutputKind.DELTA, "n": req.n, "ignore_eos": req.ignore_eos}
         if req.temperature is not None:
             kwargs["temperature"] = req.temperature
         if req.top_p is not None:

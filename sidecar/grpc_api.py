@@ -47,6 +47,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             request_id=request.request_id,
             request_class=request_class,
             n=request.n or 1,
+            ignore_eos=request.ignore_eos,
         )
         status = "OK"
         try:

@@ -81,6 +81,7 @@ def _parse_common(body: dict, api: str, max_n: int = 1) -> GenerationRequest:
         seed=_opt_number(body, "seed", int),
         stop=stop,
         n=n,
+        ignore_eos=body.get("ignore_eos") is True,  # vLLM's extension, for benchmarks
     )
     if api == "chat":
         msgs = body.get("messages")
