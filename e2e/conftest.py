@@ -13,26 +13,23 @@ import pytest
 
 from infermesh import paths
 from infermesh.launcher import LocalMesh, free_ports
-from infermesh.meshconfig.local_mesh import LocalMeshPlan, PoolPlan, default_breakers
+from infermesh.meshconfig.local_mesh import LocalMeshPlan, PoolPorts
+from infermesh.meshconfig.policy import load_policy
 
 
-FAST_CPU_BREAKER = {"signal": "cpu_load", "trip_above": 0.95, "recover_below": 0.80, "sustain_s": 3,
-                    "recover_sustain_s": 3, "min_samples": 8, "actions": ["shed"], "half_open_timeout_s": 2}
+E2E_POLICY = Path(__file__).resolve().parent / "policy-e2e.yaml"
 
 
 @pytest.fixture(scope="session")
 def local_mesh(tmp_path_factory) -> LocalMesh:
     ports = free_ports(10)
     plan = LocalMeshPlan(
+        policy=load_policy(E2E_POLICY),
         listen_port=ports[0],
         admin_port=ports[1],
         pools=[
-            # A small KV cache (~2k tokens of the large model) so a handful of long requests make
-            # real KV pressure; the CPU breaker of the batch pool reacts in seconds, not 30 s.
-            PoolPlan("interactive", "tiny-llama-large", ports[2], ports[3], ports[6], ports[8], kv_cache_bytes=12 << 20, max_model_len=1024,
-                     fallbacks=["tiny-llama-small"], breakers=default_breakers(interactive=True)),
-            PoolPlan("batch", "tiny-llama-small", ports[4], ports[5], ports[7], ports[9],
-                     breakers=default_breakers(interactive=False) | {"cpu": FAST_CPU_BREAKER}),
+            PoolPorts("interactive", ports[2], ports[3], ports[6], ports[8]),
+            PoolPorts("batch", ports[4], ports[5], ports[7], ports[9]),
         ],
     )
     run_dir: Path = tmp_path_factory.mktemp("mesh")

@@ -147,14 +147,14 @@ def test_degradation_within_one_second_of_the_sustain_window(local_mesh):
     mesh = local_mesh
     wait_recovered(mesh, "interactive")
     sustain = next(b for b in state(mesh, "interactive")["breakers"] if b["signal"] == "kv_cache")
-    kv_cfg = next(p for p in mesh.plan.pools if p.name == "interactive").breakers["kv-cache"]
+    kv_cfg = mesh.plan.policy.pools["interactive"].breakers["kv-cache"]
     samples = []
     try:
         for _ in range(3):
             t_fault = time.monotonic()
             r = httpx.put(mesh.admin_url("interactive") + "/admin/faults/kv_cache", json={"value": 0.99, "duration_s": 60}, timeout=5)
             assert r.status_code == 200
-            due = t_fault + kv_cfg["sustain_s"]
+            due = t_fault + kv_cfg.sustain_s
 
             def degraded():
                 return probe_chat(mesh).headers.get("x-infermesh-degraded") == "true"

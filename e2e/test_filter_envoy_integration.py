@@ -23,6 +23,7 @@ from infermesh import paths
 from infermesh.launcher import free_ports
 from infermesh.meshconfig.envoy_bootstrap import MeshListener, PoolEndpoint, write_bootstrap
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
+from infermesh.meshconfig.policy import load_policy
 
 FILTER_CONFIG = {
     "version": 1,
@@ -350,5 +351,20 @@ def test_local_default_config_is_valid(upstreams, tmp_path):
         assert e.wait_ready(), e.log()[-2000:]
         assert "config accepted" in e.log()
         assert decided(call(e.base, "/v1/chat/completions", body={"max_tokens": 2000}))[2] == "chat-bulk"
+    finally:
+        e.stop()
+
+
+def test_production_policy_filter_config_is_accepted_by_the_filter(upstreams, tmp_path):
+    policy = load_policy(Path(__file__).resolve().parents[1] / "mesh-config" / "policies" / "production.yaml")
+    cfg = policy.filter_config()
+    # Point the production pools at the two echo upstreams of this test.
+    cfg["classes"] = {c: dict(v, pool="interactive" if v["pool"] == "h100" else "batch") for c, v in cfg["classes"].items()}
+    e = EnvoyUnderTest(tmp_path, cfg, upstreams)
+    try:
+        assert e.wait_ready(), e.log()[-2000:]
+        assert "config accepted: 7 rules" in e.log()
+        got = call(e.base, "/v1/completions", body={"model": "eval-llama", "prompt": "x"})
+        assert (got["headers"]["x-infermesh-rule"], got["headers"]["x-gateway-inference-objective"]) == ("eval-models", "bulk")
     finally:
         e.stop()

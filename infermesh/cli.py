@@ -29,8 +29,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(f"infermesh: {msg}", file=sys.stderr, flush=True)
 
+    from infermesh.meshconfig.policy import LOCAL_POLICY, PolicyError, load_policy
+
+    try:
+        policy = load_policy(args.policy or LOCAL_POLICY)
+    except PolicyError as e:
+        say(f"invalid policy:\n{e}")
+        return 2
     build_all()
-    plan = LocalMeshPlan(listen_port=args.port, admin_port=args.admin_port)
+    plan = LocalMeshPlan(policy=policy, listen_port=args.port, admin_port=args.admin_port)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="infermesh-run-"))
     mesh = LocalMesh(plan, run_dir)
     stopping = False
@@ -81,6 +88,45 @@ x-infermesh-served-by and x-infermesh-model say which sidecar and model served. 
         return 0
 
 
+def _cmd_policy_check(args: argparse.Namespace) -> int:
+    from infermesh.meshconfig.policy import PolicyError, load_policy
+
+    try:
+        p = load_policy(args.file)
+    except PolicyError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    print(f"{args.file}: OK ({len(p.classes)} classes, {len(p.rules)} rules, pools: {', '.join(p.pools)})")
+    return 0
+
+
+def _cmd_policy_render(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from infermesh import paths
+    from infermesh.meshconfig.envoy_bootstrap import bootstrap
+    from infermesh.meshconfig.local_mesh import LocalMeshPlan
+    from infermesh.meshconfig.policy import PolicyError, load_policy
+
+    try:
+        p = load_policy(args.file)
+    except PolicyError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    if args.what == "filter":
+        out = p.filter_config()
+    elif args.what == "sidecar":
+        if args.pool not in p.pools:
+            print(f"unknown pool {args.pool!r}; pools: {', '.join(p.pools)}", file=sys.stderr)
+            return 2
+        out = p.sidecar_config(args.pool, paths.models_dir())
+    else:
+        out = bootstrap(LocalMeshPlan(policy=p).listener(Path(paths.filter_wasm())))
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="infermesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,7 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--port", type=int, default=8080, help="mesh listener port (default 8080)")
     up.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port, 127.0.0.1 only (default 9901)")
     up.add_argument("--run-dir", help="where logs and generated configs go (default: a new temp dir)")
+    up.add_argument("--policy", help="mesh policy file (default: mesh-config/policies/local.yaml)")
     up.set_defaults(func=_cmd_up)
+
+    policy = sub.add_parser("policy", help="the mesh policy file")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_sub.add_parser("check", help="validate a policy; errors name the file, line and field")
+    check.add_argument("file")
+    check.set_defaults(func=_cmd_policy_check)
+    render = policy_sub.add_parser("render", help="print a config generated from a policy")
+    render.add_argument("file")
+    render.add_argument("what", choices=["filter", "sidecar", "envoy"])
+    render.add_argument("pool", nargs="?", help="with `sidecar`: the pool")
+    render.set_defaults(func=_cmd_policy_render)
 
     args = parser.parse_args(argv)
     return args.func(args)

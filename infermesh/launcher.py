@@ -111,14 +111,15 @@ class LocalMesh:
         if not self.wasm.exists():
             raise LaunchError(f"filter not built: {self.wasm} is missing (run scripts/setup.sh)")
         for p in self.plan.pools:
-            if not (self.models_dir / p.model / "config.json").exists():
-                raise LaunchError(f"model {p.model} not found in {self.models_dir} (run `infermesh models build`)")
+            for model in self.plan.local_models(p.name):
+                if not (self.models_dir / model / "config.json").exists():
+                    raise LaunchError(f"model {model} not found in {self.models_dir} (run `infermesh models build`)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for p in self.plan.pools:
             cfg_path = self.run_dir / f"sidecar-{p.name}.json"
             cfg_path.write_text(json.dumps(self.plan.sidecar_config(p, self.models_dir), indent=2))
             self._spawn(f"sidecar-{p.name}", [sys.executable, "-m", "infermesh.sidecar.server", "--config", str(cfg_path)])
-            ladder = " > ".join([p.model, *p.fallbacks])
+            ladder = " > ".join(self.plan.ladder(p.name))
             progress(f"sidecar {p.name}: starting ({ladder}; http :{p.http_port}, grpc :{p.grpc_port}, admin 127.0.0.1:{p.admin_port})")
         bootstrap = write_bootstrap(self.plan.listener(self.wasm), self.run_dir / "envoy.json")
         envoy = paths.envoy_binary()

@@ -1,0 +1,81 @@
+"""The policy file: examples load, errors name the file, line and field, generators agree."""
+
+from pathlib import Path
+
+import pytest
+
+from infermesh.meshconfig.local_mesh import LocalMeshPlan
+from infermesh.meshconfig.policy import LOCAL_POLICY, PolicyError, load_policy, parse_policy
+from infermesh.sidecar.config import SidecarConfig
+
+POLICIES = Path(__file__).resolve().parents[1] / "policies"
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "production.yaml"])
+def test_example_policies_load_and_generate_valid_sidecar_configs(name, tmp_path):
+    p = load_policy(POLICIES / name)
+    for pool in p.pools:
+        cfg = SidecarConfig.model_validate(p.sidecar_config(pool, tmp_path))
+        assert cfg.pool == pool and cfg.models[0].name == p.pools[pool].models[0].name
+        assert set(cfg.classes) == set(p.classes) and cfg.default_class == p.default_class
+    f = p.filter_config()
+    assert f["default_class"] == p.default_class
+    assert {c: v["pool"] for c, v in f["classes"].items()} == {c: v.pool for c, v in p.classes.items()}
+    assert [r["name"] for r in f["rules"]] == [r["name"] for r in p.rules]
+
+
+def test_local_plan_is_the_local_policy():
+    plan = LocalMeshPlan()
+    assert plan.policy == load_policy(LOCAL_POLICY)
+    assert [p.name for p in plan.pools] == ["interactive", "batch"]
+    assert plan.ladder("interactive") == ["tiny-llama-large", "tiny-llama-small"]
+    listener = plan.listener(Path("/x.wasm"))
+    assert listener.default_pool == "batch" and listener.filter_config == plan.filter_config()
+
+
+GOOD = LOCAL_POLICY.read_text()
+
+
+def problems(text: str) -> list[tuple[int | None, str, str]]:
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, "p.yaml")
+    assert str(e.value).startswith("p.yaml:")
+    return e.value.problems
+
+
+def line_of(text: str, needle: str) -> int:
+    return next(i for i, ln in enumerate(text.splitlines(), 1) if needle in ln)
+
+
+def test_field_errors_carry_the_line():
+    bad = GOOD.replace("trip_above: 0.90, recover_below: 0.50", "trip_above: 0.40, recover_below: 0.50")
+    (line, field, msg), = problems(bad)
+    assert field == "pools.interactive.breakers.kv-cache" and "recover_below" in msg
+    assert line == line_of(bad, "kv-cache:")
+
+
+def test_unknown_keys_are_errors():
+    bad = GOOD.replace("  batch: {pool: batch, priority: 10, sheddable: true}", "  batch: {pool: batch, priority: 10, shedable: true}")
+    (line, field, msg), = problems(bad)
+    assert field == "classes.batch.shedable" and line == line_of(bad, "shedable")
+
+
+def test_cross_references_are_checked():
+    (line, field, msg), = problems(GOOD.replace("batch: {pool: batch,", "batch: {pool: bulk,"))
+    assert field == "classes.batch.pool" and "bulk" in msg and line is not None
+    (line, field, msg), = problems(GOOD.replace("class: interactive\n", "class: chatty\n"))
+    assert field == "rules.1.class" and "chatty" in msg
+    (line, field, msg), = problems(GOOD.replace("default_class: batch", "default_class: nope"))
+    assert field == "default_class"
+
+
+def test_yaml_syntax_and_shape_errors():
+    (line, field, msg), = problems("version: 1\nclasses: {a: {pool: p}\n")
+    assert field == "(yaml)" and line == 3
+    (line, field, msg), = problems("- just\n- a list\n")
+    assert field == "(root)"
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PolicyError, match="No such file"):
+        load_policy(tmp_path / "nope.yaml")
