@@ -88,13 +88,20 @@ x-infermesh-served-by and x-infermesh-model say which sidecar and model served. 
         return 0
 
 
-def _cmd_policy_check(args: argparse.Namespace) -> int:
+def _load_policy_or_report(path: str):
+    """The policy, or None after printing its problems (file:line: field: message)."""
     from infermesh.meshconfig.policy import PolicyError, load_policy
 
     try:
-        p = load_policy(args.file)
+        return load_policy(path)
     except PolicyError as e:
         print(str(e), file=sys.stderr)
+        return None
+
+
+def _cmd_policy_check(args: argparse.Namespace) -> int:
+    p = _load_policy_or_report(args.file)
+    if p is None:
         return 1
     print(f"{args.file}: OK ({len(p.classes)} classes, {len(p.rules)} rules, pools: {', '.join(p.pools)})")
     return 0
@@ -107,12 +114,9 @@ def _cmd_policy_render(args: argparse.Namespace) -> int:
     from infermesh import paths
     from infermesh.meshconfig.envoy_bootstrap import bootstrap
     from infermesh.meshconfig.local_mesh import LocalMeshPlan
-    from infermesh.meshconfig.policy import PolicyError, load_policy
 
-    try:
-        p = load_policy(args.file)
-    except PolicyError as e:
-        print(str(e), file=sys.stderr)
+    p = _load_policy_or_report(args.file)
+    if p is None:
         return 1
     if args.what == "filter":
         out = p.filter_config()
