@@ -6,7 +6,10 @@ local models, Envoy with the compiled filter, all on free loopback ports.
 
 from __future__ import annotations
 
+import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,50 @@ from infermesh import paths
 from infermesh.launcher import LocalMesh, free_ports
 from infermesh.meshconfig.local_mesh import LocalMeshPlan, PoolPorts
 from infermesh.meshconfig.policy import load_policy
+
+
+def echo_server(name: str, port: int) -> ThreadingHTTPServer:
+    class Echo(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _reply(self):
+            if self.headers.get("transfer-encoding", "").lower() == "chunked":
+                body = b""
+                while True:
+                    size = int(self.rfile.readline().strip() or b"0", 16)
+                    if size == 0:
+                        self.rfile.readline()
+                        break
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+            else:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            out = json.dumps(
+                {"upstream": name, "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body_len": len(body)}
+            ).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        do_GET = do_POST = _reply
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", port), Echo)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+@pytest.fixture(scope="session")
+def upstreams():
+    p_int, p_batch = free_ports(2)
+    servers = [echo_server("interactive", p_int), echo_server("batch", p_batch)]
+    yield {"interactive": p_int, "batch": p_batch}
+    for s in servers:
+        s.shutdown()
 
 
 E2E_POLICY = Path(__file__).resolve().parent / "policy-e2e.yaml"

@@ -10,11 +10,8 @@ from __future__ import annotations
 import http.client
 import json
 import subprocess
-import threading
 import time
-import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -45,41 +42,6 @@ FILTER_CONFIG = {
     "trusted_sources": {"cidrs": ["10.99.0.0/16"]},
     "emit_objective_header": True,
 }
-
-
-def echo_server(name: str, port: int) -> ThreadingHTTPServer:
-    class Echo(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def _reply(self):
-            if self.headers.get("transfer-encoding", "").lower() == "chunked":
-                body = b""
-                while True:
-                    size = int(self.rfile.readline().strip() or b"0", 16)
-                    if size == 0:
-                        self.rfile.readline()
-                        break
-                    body += self.rfile.read(size)
-                    self.rfile.readline()
-            else:
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-            out = json.dumps(
-                {"upstream": name, "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body_len": len(body)}
-            ).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-        do_GET = do_POST = _reply
-
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", port), Echo)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv
 
 
 class EnvoyUnderTest:
@@ -134,15 +96,6 @@ class EnvoyUnderTest:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-
-
-@pytest.fixture(scope="module")
-def upstreams():
-    p_int, p_batch = free_ports(2)
-    servers = [echo_server("interactive", p_int), echo_server("batch", p_batch)]
-    yield {"interactive": p_int, "batch": p_batch}
-    for s in servers:
-        s.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,283 @@
+"""A control plane for plain Envoy: ADS (aggregated discovery, state of the world) over grpcio,
+built on the Envoy protobufs from PyPI (xds-protos).
+
+It serves the listener (with the Wasm filter and the per-pool routes inline) and one cluster per
+pool, all generated from the policy file — the same generators as the static bootstrap. It
+watches the file: a valid edit reaches Envoy as a new version at once; an invalid one is logged
+with its file:line: field reasons and Envoy keeps the last good config. Envoy NACKs are logged
+and never retried with the same version. If the control plane dies, Envoy keeps serving its last
+config and resyncs when the control plane is back.
+
+    python -m infermesh.meshconfig.xds_server --policy FILE --port 18000 \\
+        --listen-port 8080 --pool interactive=127.0.0.1:8101 --pool batch=127.0.0.1:8102
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from google.protobuf import any_pb2, json_format
+
+# The typed configs inside listeners/clusters must be known to the descriptor pool before
+# json_format can pack them into Any.
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.filters.http.wasm.v3 import wasm_pb2  # noqa: F401
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+
+from .envoy_bootstrap import MeshListener, PoolEndpoint, bootstrap
+from .policy import PolicyError, load_policy
+
+log = logging.getLogger("infermesh.xds")
+
+LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
+CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: str
+    resources: dict[str, list]  # type_url -> protobuf messages
+
+
+@dataclass
+class MeshTarget:
+    """What the policy does not say: where things run (ports, the module's path)."""
+
+    listen_host: str
+    listen_port: int
+    wasm_path: Path
+    endpoints: dict[str, tuple[str, int]]  # pool -> (host, port)
+
+
+def build_snapshot(policy_path: Path, target: MeshTarget) -> Snapshot:
+    policy = load_policy(policy_path)
+    missing = set(policy.pools) - set(target.endpoints)
+    if missing:
+        raise PolicyError(str(policy_path), [(None, "pools", f"no endpoint given for pools {sorted(missing)}")])
+    listener = MeshListener(
+        listen_host=target.listen_host,
+        listen_port=target.listen_port,
+        admin_port=0,
+        wasm_path=target.wasm_path,
+        filter_config=policy.filter_config(),
+        pools=[PoolEndpoint(name, *target.endpoints[name]) for name in policy.pools],
+        default_pool=policy.default_pool,
+    )
+    static = bootstrap(listener)["static_resources"]
+    listeners = [json_format.ParseDict(l, listener_pb2.Listener()) for l in static["listeners"]]
+    clusters = [json_format.ParseDict(c, cluster_pb2.Cluster()) for c in static["clusters"]]
+    digest = hashlib.sha256()
+    for m in listeners + clusters:
+        digest.update(m.SerializeToString(deterministic=True))
+    return Snapshot(digest.hexdigest()[:12], {LISTENER_TYPE: listeners, CLUSTER_TYPE: clusters})
+
+
+class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+    def __init__(self, policy_path: Path, target: MeshTarget):
+        self.policy_path = policy_path
+        self.target = target
+        self.snapshot: Snapshot | None = None
+        self._subscribers: set[asyncio.Queue] = set()
+        self._file_sig: tuple | None = None
+        self.rejections = 0
+        self.nacks = 0
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """Rebuild from the policy file; on any error keep the last good snapshot."""
+        try:
+            snap = build_snapshot(self.policy_path, self.target)
+        except PolicyError as e:
+            self.rejections += 1
+            log.error("policy rejected; keeping the last good config", extra={"problems": str(e), "kept": self.version})
+            return False
+        except Exception as e:  # a generator bug must not take the control plane down
+            self.rejections += 1
+            log.exception("config generation failed; keeping the last good config", extra={"error": str(e)})
+            return False
+        if self.snapshot is None or snap.version != self.snapshot.version:
+            self.snapshot = snap
+            log.info("config version ready", extra={"version": snap.version})
+            for q in list(self._subscribers):
+                q.put_nowait(snap)
+        return True
+
+    @property
+    def version(self) -> str | None:
+        return self.snapshot.version if self.snapshot else None
+
+    async def watch_file(self, interval: float = 0.1) -> None:
+        while True:
+            try:
+                st = self.policy_path.stat()
+                sig = (st.st_mtime_ns, st.st_size, hashlib.sha256(self.policy_path.read_bytes()).hexdigest())
+            except OSError:
+                sig = None
+            if sig != self._file_sig:
+                self._file_sig = sig
+                if sig is not None:
+                    self.reload()
+            await asyncio.sleep(interval)
+
+    # -- ADS ----------------------------------------------------------------------------------
+
+    async def StreamAggregatedResources(self, request_iterator, context):
+        out: asyncio.Queue = asyncio.Queue()
+        updates: asyncio.Queue = asyncio.Queue()
+        self._subscribers.add(updates)
+        subscribed: set[str] = set()
+        sent: dict[str, str] = {}  # type_url -> version sent
+        nonce = 0
+        peer = context.peer()
+
+        def respond(type_url: str) -> None:
+            nonlocal nonce
+            snap = self.snapshot
+            if snap is None or type_url not in snap.resources:
+                return
+            nonce += 1
+            resources = []
+            for m in snap.resources[type_url]:
+                a = any_pb2.Any()
+                a.Pack(m)
+                resources.append(a)
+            sent[type_url] = snap.version
+            out.put_nowait(discovery_pb2.DiscoveryResponse(
+                version_info=snap.version, resources=resources, type_url=type_url, nonce=str(nonce)))
+
+        async def read_requests():
+            async for req in request_iterator:
+                t = req.type_url
+                if req.HasField("error_detail") and req.error_detail.code != 0:
+                    self.nacks += 1
+                    log.error("envoy rejected a config (NACK)", extra={"type": t, "version": sent.get(t),
+                                                                        "kept": req.version_info, "reason": req.error_detail.message})
+                    continue
+                if t not in subscribed:
+                    subscribed.add(t)
+                    log.info("envoy subscribed", extra={"type": t, "peer": peer, "has_version": req.version_info})
+                if self.snapshot and sent.get(t) != self.snapshot.version and req.version_info != self.snapshot.version:
+                    respond(t)
+            out.put_nowait(None)
+
+        async def push_updates():
+            while True:
+                await updates.get()
+                # Clusters before listeners: a listener must not point at a cluster Envoy lacks.
+                for t in sorted(subscribed, key=lambda x: 0 if x == CLUSTER_TYPE else 1):
+                    if self.snapshot and sent.get(t) != self.snapshot.version:
+                        respond(t)
+
+        reader = asyncio.create_task(read_requests())
+        pusher = asyncio.create_task(push_updates())
+        try:
+            while True:
+                msg = await out.get()
+                if msg is None:
+                    return
+                yield msg
+        finally:
+            reader.cancel()
+            pusher.cancel()
+            self._subscribers.discard(updates)
+
+
+def xds_bootstrap(admin_port: int, xds_host: str, xds_port: int, node_id: str = "infermesh-local") -> dict:
+    """Envoy bootstrap that takes listeners and clusters from the control plane (ADS)."""
+    from .envoy_bootstrap import FILTER_STATS_TAGS
+
+    return {
+        "node": {"id": node_id, "cluster": "infermesh"},
+        "stats_config": {"stats_tags": FILTER_STATS_TAGS},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{"envoy_grpc": {"cluster_name": "infermesh_xds"}}],
+                "set_node_on_first_message_only": True,
+            },
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            "lds_config": {"ads": {}, "resource_api_version": "V3"},
+        },
+        "static_resources": {
+            "clusters": [{
+                "name": "infermesh_xds",
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}},
+                    }
+                },
+                "load_assignment": {
+                    "cluster_name": "infermesh_xds",
+                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": xds_host, "port_value": xds_port}}}}]}],
+                },
+            }],
+        },
+    }
+
+
+async def serve(cp: ControlPlane, host: str, port: int) -> int:
+    server = grpc.aio.server()
+    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(cp, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    log.info("control plane serving", extra={"port": bound, "policy": str(cp.policy_path), "version": cp.version})
+    watcher = asyncio.create_task(cp.watch_file())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    watcher.cancel()
+    await server.stop(0.5)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from infermesh import paths
+    from infermesh.sidecar.server import setup_logging
+
+    ap = argparse.ArgumentParser(prog="infermesh-xds", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=18000)
+    ap.add_argument("--listen-host", default="127.0.0.1")
+    ap.add_argument("--listen-port", type=int, default=8080)
+    ap.add_argument("--pool", action="append", default=[], help="NAME=HOST:PORT of a pool's sidecar (repeat)")
+    ap.add_argument("--wasm", default=str(paths.filter_wasm()))
+    args = ap.parse_args(argv)
+    setup_logging({"component": "xds"})
+    logging.getLogger("infermesh.xds").setLevel(logging.INFO)
+    endpoints = {}
+    for spec in args.pool:
+        name, _, hostport = spec.partition("=")
+        host, _, port = hostport.rpartition(":")
+        endpoints[name] = (host, int(port))
+    cp = ControlPlane(Path(args.policy), MeshTarget(args.listen_host, args.listen_port, Path(args.wasm), endpoints))
+    if not cp.reload():
+        print(f"infermesh-xds: the policy is not usable at start; see the log", file=sys.stderr)
+        return 2
+    cp._file_sig = None  # let the watcher take its first signature
+    return asyncio.run(serve(cp, args.host, args.port))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
