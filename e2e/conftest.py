@@ -17,7 +17,6 @@ import pytest
 from infermesh import paths
 from infermesh.launcher import LocalMesh, free_ports
 from infermesh.meshconfig.local_mesh import LocalMeshPlan, PoolPorts
-from infermesh.meshconfig.policy import load_policy
 
 
 def echo_server(name: str, port: int) -> ThreadingHTTPServer:
@@ -69,9 +68,10 @@ E2E_POLICY = Path(__file__).resolve().parent / "policy-e2e.yaml"
 
 @pytest.fixture(scope="session")
 def local_mesh(tmp_path_factory) -> LocalMesh:
-    ports = free_ports(10)
+    ports = free_ports(11)
     plan = LocalMeshPlan(
-        policy=load_policy(E2E_POLICY),
+        policy_path=E2E_POLICY,
+        xds_port=ports[10],
         listen_port=ports[0],
         admin_port=ports[1],
         pools=[

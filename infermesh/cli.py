@@ -37,7 +37,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         say(f"invalid policy:\n{e}")
         return 2
     build_all()
-    plan = LocalMeshPlan(policy=policy, listen_port=args.port, admin_port=args.admin_port)
+    plan = LocalMeshPlan(policy_path=Path(args.policy) if args.policy else LOCAL_POLICY, policy=policy,
+                         listen_port=args.port, admin_port=args.admin_port, xds_port=args.xds_port)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="infermesh-run-"))
     mesh = LocalMesh(plan, run_dir)
     stopping = False
@@ -69,7 +70,8 @@ OpenAI API: {mesh.base_url}/v1   (model: "tiny-llama")
     -d '{{"model":"tiny-llama","stream":true,"max_tokens":16,"messages":[{{"role":"user","content":"Hello!"}}]}}'
 
 Chat goes to the interactive pool, everything else to the batch pool; the response headers
-x-infermesh-served-by and x-infermesh-model say which sidecar and model served. Ctrl-C stops.
+x-infermesh-served-by and x-infermesh-model say which sidecar and model served.
+Edit {plan.policy_path} and the change reaches Envoy within a second. Ctrl-C stops.
 """,
         flush=True,
     )
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--port", type=int, default=8080, help="mesh listener port (default 8080)")
     up.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port, 127.0.0.1 only (default 9901)")
     up.add_argument("--run-dir", help="where logs and generated configs go (default: a new temp dir)")
-    up.add_argument("--policy", help="mesh policy file (default: mesh-config/policies/local.yaml)")
+    up.add_argument("--policy", help="mesh policy file (default: mesh-config/policies/local.yaml); edits apply live")
+    up.add_argument("--xds-port", type=int, default=18000, help="control plane (ADS) port, 127.0.0.1 (default 18000)")
     up.set_defaults(func=_cmd_up)
 
     policy = sub.add_parser("policy", help="the mesh policy file")

@@ -23,6 +23,7 @@ from typing import Callable
 
 from infermesh.meshconfig.envoy_bootstrap import write_bootstrap
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
+from infermesh.meshconfig.xds_server import xds_bootstrap
 
 from . import paths
 
@@ -121,7 +122,19 @@ class LocalMesh:
             self._spawn(f"sidecar-{p.name}", [sys.executable, "-m", "infermesh.sidecar.server", "--config", str(cfg_path)])
             ladder = " > ".join(self.plan.ladder(p.name))
             progress(f"sidecar {p.name}: starting ({ladder}; http :{p.http_port}, grpc :{p.grpc_port}, admin 127.0.0.1:{p.admin_port})")
-        bootstrap = write_bootstrap(self.plan.listener(self.wasm), self.run_dir / "envoy.json")
+        # The control plane serves Envoy its listener and clusters from the policy file (ADS)
+        # and keeps watching the file; Envoy starts from a bootstrap that only names it.
+        xds = [sys.executable, "-m", "infermesh.meshconfig.xds_server", "--policy", str(self.plan.policy_path),
+               "--port", str(self.plan.xds_port), "--listen-host", self.plan.host, "--listen-port", str(self.plan.listen_port),
+               "--wasm", str(self.wasm)]
+        for p in self.plan.pools:
+            xds += ["--pool", f"{p.name}={self.plan.host}:{p.http_port}"]
+        self._spawn("control-plane", xds)
+        progress(f"control plane: starting (ADS 127.0.0.1:{self.plan.xds_port}, watching {self.plan.policy_path})")
+        bootstrap = self.run_dir / "envoy.json"
+        bootstrap.write_text(json.dumps(xds_bootstrap(self.plan.admin_port, "127.0.0.1", self.plan.xds_port), indent=2))
+        # For reading only: the resources the control plane serves, as a static config.
+        write_bootstrap(self.plan.listener(self.wasm), self.run_dir / "envoy-resources.json")
         envoy = paths.envoy_binary()
         self._spawn(
             "envoy",
@@ -152,6 +165,12 @@ class LocalMesh:
             time.sleep(0.25)
 
     def _ready(self, name: str) -> bool:
+        if name == "control-plane":
+            try:
+                with socket.create_connection(("127.0.0.1", self.plan.xds_port), timeout=0.5):
+                    return True
+            except OSError:
+                return False
         if name == "envoy":
             return _http_ok(f"http://127.0.0.1:{self.plan.admin_port}/ready")
         pool = name.removeprefix("sidecar-")
@@ -160,12 +179,12 @@ class LocalMesh:
     # -- stop -------------------------------------------------------------------------------
 
     def stop(self, grace: float = 25.0) -> None:
-        # Envoy first (no new traffic), then the sidecars drain in parallel.
-        order = sorted(self.children, key=lambda c: 0 if c.name == "envoy" else 1)
+        # Envoy first (no new traffic), then the control plane, then the sidecars drain in parallel.
+        order = sorted(self.children, key=lambda c: {"envoy": 0, "control-plane": 1}.get(c.name, 2))
         for c in order:
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
-            if c.name == "envoy":
+            if c.name in ("envoy", "control-plane"):
                 try:
                     c.proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:

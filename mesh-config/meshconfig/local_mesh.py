@@ -35,13 +35,19 @@ def default_ports(policy: Policy, base: int = 8101) -> list[PoolPorts]:
 
 @dataclass
 class LocalMeshPlan:
-    policy: Policy = field(default_factory=lambda: load_policy(LOCAL_POLICY))
+    policy_path: Path = LOCAL_POLICY
+    """The policy file; the control plane watches it, so edits reach the running mesh."""
+    policy: Policy | None = None
+    """The loaded policy (default: loaded from `policy_path`)."""
     listen_port: int = 8080
     admin_port: int = 9901
+    xds_port: int = 18000
     host: str = "127.0.0.1"
     pools: list[PoolPorts] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.policy is None:
+            self.policy = load_policy(self.policy_path)
         if not self.pools:
             self.pools = default_ports(self.policy)
         missing = set(self.policy.pools) - {p.name for p in self.pools}
