@@ -95,6 +95,26 @@ def _cluster(p: PoolEndpoint) -> dict:
         "name": cluster_name(p.pool),
         "type": "STATIC",
         "connect_timeout": "1s",
+        # Envoy's own limits per pool: far above what a sidecar admits (it sheds with 429 first),
+        # they stop a runaway client from piling connections onto a GPU pool.
+        "circuit_breakers": {"thresholds": [{"priority": "DEFAULT", "max_connections": 4096, "max_pending_requests": 4096,
+                                             "max_requests": 4096, "max_retries": 3}]},
+        # Eject a sidecar that fails at the connection level (dead, hung), never one that
+        # answers 429/503 on purpose: shedding is the pool protecting itself, not a fault.
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 5,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_consecutive_gateway_failure": 0,
+            "enforcing_success_rate": 0,
+            "interval": "2s",
+            "base_ejection_time": "10s",
+            "max_ejection_percent": 50,
+        },
+        # The sidecar's /health is 200 while it serves and 503 while loading or draining.
+        "health_checks": [{"timeout": "1s", "interval": "2s", "unhealthy_threshold": 2, "healthy_threshold": 1,
+                           "http_health_check": {"path": "/health"}}],
         "load_assignment": {
             "cluster_name": cluster_name(p.pool),
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": p.host, "port_value": p.port}}}}]}],

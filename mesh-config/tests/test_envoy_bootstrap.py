@@ -25,6 +25,11 @@ def test_one_route_and_cluster_per_pool_plus_default():
     cfg = json.loads(hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"])
     assert cfg == plan.filter_config()
     assert b["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    for c in b["static_resources"]["clusters"]:
+        assert c["health_checks"][0]["http_health_check"]["path"] == "/health"
+        od = c["outlier_detection"]
+        assert od["split_external_local_origin_errors"] and od["enforcing_consecutive_5xx"] == 0, "shedding is not a fault"
+        assert c["circuit_breakers"]["thresholds"][0]["max_requests"] > 0
 
 
 def test_real_envoy_validates_the_generated_config(tmp_path):
