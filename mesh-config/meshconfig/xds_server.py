@@ -32,18 +32,22 @@ from google.protobuf import any_pb2, json_format
 # json_format can pack them into Any.
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-from .envoy_bootstrap import MeshListener, PoolEndpoint, bootstrap
+from .envoy_bootstrap import ROUTE_CONFIG_NAME, MeshListener, PoolEndpoint, bootstrap, route_config
 from .policy import PolicyError, load_policy
 
 log = logging.getLogger("infermesh.xds")
 
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+# Clusters before listeners before routes: nothing may point at what Envoy does not have yet.
+PUSH_ORDER = {CLUSTER_TYPE: 0, LISTENER_TYPE: 1, ROUTE_TYPE: 2}
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,9 @@ class MeshTarget:
     endpoints: dict[str, tuple[str, int]]  # pool -> (host, port)
 
 
-def build_snapshot(policy_path: Path, target: MeshTarget) -> Snapshot:
+def build_snapshot(policy_path: Path, target: MeshTarget, levels: dict[str, int] | None = None) -> Snapshot:
     policy = load_policy(policy_path)
+    spill, shed = policy.degraded_overlay(levels or {})
     missing = set(policy.pools) - set(target.endpoints)
     if missing:
         raise PolicyError(str(policy_path), [(None, "pools", f"no endpoint given for pools {sorted(missing)}")])
@@ -75,20 +80,33 @@ def build_snapshot(policy_path: Path, target: MeshTarget) -> Snapshot:
         filter_config=policy.filter_config(),
         pools=[PoolEndpoint(name, *target.endpoints[name]) for name in policy.pools],
         default_pool=policy.default_pool,
+        spill=spill,
+        shed_classes=shed,
     )
     static = bootstrap(listener)["static_resources"]
+    # Routes over RDS: a route change (a policy edit, a degraded pool) then updates the table in
+    # place instead of replacing the listener and draining its connections.
+    for l in static["listeners"]:
+        hcm = l["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm.pop("route_config")
+        hcm["rds"] = {"config_source": {"ads": {}, "resource_api_version": "V3"}, "route_config_name": ROUTE_CONFIG_NAME}
     listeners = [json_format.ParseDict(l, listener_pb2.Listener()) for l in static["listeners"]]
     clusters = [json_format.ParseDict(c, cluster_pb2.Cluster()) for c in static["clusters"]]
+    routes = [json_format.ParseDict(route_config(listener), route_pb2.RouteConfiguration())]
     digest = hashlib.sha256()
-    for m in listeners + clusters:
+    for m in listeners + clusters + routes:
         digest.update(m.SerializeToString(deterministic=True))
-    return Snapshot(digest.hexdigest()[:12], {LISTENER_TYPE: listeners, CLUSTER_TYPE: clusters})
+    if spill or shed:
+        log.warning("degraded-mode routing", extra={"spill": spill, "shed_classes": shed, "levels": levels})
+    return Snapshot(digest.hexdigest()[:12], {LISTENER_TYPE: listeners, CLUSTER_TYPE: clusters, ROUTE_TYPE: routes})
 
 
 class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-    def __init__(self, policy_path: Path, target: MeshTarget):
+    def __init__(self, policy_path: Path, target: MeshTarget, pool_admins: dict[str, str] | None = None):
         self.policy_path = policy_path
         self.target = target
+        self.pool_admins = pool_admins or {}
+        self.levels: dict[str, int] = {}
         self.snapshot: Snapshot | None = None
         self._subscribers: set[asyncio.Queue] = set()
         self._file_sig: tuple | None = None
@@ -100,7 +118,7 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     def reload(self) -> bool:
         """Rebuild from the policy file; on any error keep the last good snapshot."""
         try:
-            snap = build_snapshot(self.policy_path, self.target)
+            snap = build_snapshot(self.policy_path, self.target, self.levels)
         except PolicyError as e:
             self.rejections += 1
             log.error("policy rejected; keeping the last good config", extra={"problems": str(e), "kept": self.version})
@@ -132,6 +150,29 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 if sig is not None:
                     self.reload()
             await asyncio.sleep(interval)
+
+    async def watch_pool(self, pool: str, admin_url: str) -> None:
+        """Follow one pool's state over its sidecar's admin event stream; re-route on changes."""
+        import httpx
+
+        from infermesh.sidecar.breakers import ACTION_ORDER
+
+        while True:
+            try:
+                async with httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=60.0)) as client:
+                    async with client.stream("GET", admin_url + "/admin/events") as r:
+                        async for line in r.aiter_lines():
+                            if not line.startswith("data: "):
+                                continue
+                            ev = json.loads(line[6:])
+                            level = ev["level"] if "level" in ev else max((ACTION_ORDER[a] for a in ev.get("pool_actions", [])), default=0)
+                            if self.levels.get(pool) != level:
+                                log.warning("pool level changed", extra={"pool": pool, "level": level})
+                                self.levels[pool] = level
+                                self.reload()
+            except (httpx.HTTPError, OSError, ValueError):
+                pass  # the sidecar is starting or restarting: keep the last known level, retry
+            await asyncio.sleep(0.5)
 
     # -- ADS ----------------------------------------------------------------------------------
 
@@ -178,7 +219,7 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             while True:
                 await updates.get()
                 # Clusters before listeners: a listener must not point at a cluster Envoy lacks.
-                for t in sorted(subscribed, key=lambda x: 0 if x == CLUSTER_TYPE else 1):
+                for t in sorted(subscribed, key=lambda x: PUSH_ORDER.get(x, 9)):
                     if self.snapshot and sent.get(t) != self.snapshot.version:
                         respond(t)
 
@@ -241,12 +282,15 @@ async def serve(cp: ControlPlane, host: str, port: int) -> int:
     await server.start()
     log.info("control plane serving", extra={"port": bound, "policy": str(cp.policy_path), "version": cp.version})
     watcher = asyncio.create_task(cp.watch_file())
+    pool_watchers = [asyncio.create_task(cp.watch_pool(pool, url)) for pool, url in cp.pool_admins.items()]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     watcher.cancel()
+    for t in pool_watchers:
+        t.cancel()
     await server.stop(0.5)
     return 0
 
@@ -263,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--listen-port", type=int, default=8080)
     ap.add_argument("--pool", action="append", default=[], help="NAME=HOST:PORT of a pool's sidecar (repeat)")
     ap.add_argument("--wasm", default=str(paths.filter_wasm()))
+    ap.add_argument("--pool-admin", action="append", default=[], help="NAME=URL of a pool sidecar's admin API (repeat): its state drives degraded-mode routing")
     args = ap.parse_args(argv)
     setup_logging({"component": "xds"})
     logging.getLogger("infermesh.xds").setLevel(logging.INFO)
@@ -271,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         name, _, hostport = spec.partition("=")
         host, _, port = hostport.rpartition(":")
         endpoints[name] = (host, int(port))
-    cp = ControlPlane(Path(args.policy), MeshTarget(args.listen_host, args.listen_port, Path(args.wasm), endpoints))
+    admins = dict(spec.split("=", 1) for spec in args.pool_admin)
+    cp = ControlPlane(Path(args.policy), MeshTarget(args.listen_host, args.listen_port, Path(args.wasm), endpoints), admins)
     if not cp.reload():
         print(f"infermesh-xds: the policy is not usable at start; see the log", file=sys.stderr)
         return 2

@@ -79,3 +79,24 @@ def test_yaml_syntax_and_shape_errors():
 def test_missing_file(tmp_path):
     with pytest.raises(PolicyError, match="No such file"):
         load_policy(tmp_path / "nope.yaml")
+
+
+def test_degraded_overlay():
+    text = GOOD.replace("  batch:\n    models:", "    when_degraded: {at_level: 2, spill_to: batch, shed_classes: [batch]}\n  batch:\n    models:")
+    p = parse_policy(text)
+    assert p.degraded_overlay({}) == ({}, [])
+    assert p.degraded_overlay({"interactive": 1}) == ({}, [])
+    assert p.degraded_overlay({"interactive": 2}) == ({"interactive": "batch"}, ["batch"])
+    (line, field, msg), = problems(text.replace("spill_to: batch", "spill_to: interactive"))
+    assert field == "pools.interactive.when_degraded.spill_to"
+
+
+def test_degraded_routes_spill_and_shed_at_the_edge():
+    from infermesh.meshconfig.envoy_bootstrap import route_config
+
+    listener = LocalMeshPlan().listener(Path("/x.wasm"))
+    listener.spill, listener.shed_classes = {"interactive": "batch"}, ["batch"]
+    routes = route_config(listener)["virtual_hosts"][0]["routes"]
+    assert routes[0]["direct_response"]["status"] == 429 and routes[0]["match"]["headers"][0]["string_match"]["exact"] == "batch"
+    by_pool = {r["match"]["headers"][0]["string_match"]["exact"]: r["route"]["cluster"] for r in routes[1:] if "headers" in r["match"]}
+    assert by_pool == {"interactive": "pool_batch", "batch": "pool_batch"}
