@@ -139,9 +139,16 @@ class Breaker:
             self.on_transition(Transition(self.name, self.clock(), self.state, self.state, self.actions, reason, value))
 
     def observe(self, value: float | None) -> None:
-        """One reading. `None` (no reading this time) leaves the runs as they are."""
+        """One reading. `None` means the source has nothing to say (no GPU, no recent traffic).
+
+        While closed, silence is ignored. While open or half-open it counts as no pressure:
+        otherwise a breaker opened by, say, high TTFT would hold the pool degraded for as long as
+        no traffic arrives to measure it — and degrading itself reduces that traffic.
+        """
         if value is None:
-            return
+            if self.state is State.CLOSED:
+                return
+            value = 0.0
         now = self.clock()
         cfg = self.config
         self.last_value = value

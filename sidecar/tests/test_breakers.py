@@ -144,13 +144,19 @@ def test_oscillating_signal_does_not_flap():
     assert b.state is State.OPEN and len(log) == n, "neither recovery nor escalation"
 
 
-def test_no_reading_is_not_a_reading():
+def test_silence_never_trips_but_lets_an_open_breaker_recover():
     b, clock, _ = make()
-    feed(b, clock, 0.99, 5.25)
+    feed(b, clock, 0.99, 4)
     for _ in range(40):
         clock.advance(0.25)
         b.observe(None)
-    assert b.state is State.OPEN, "the run above continued; None neither breaks nor extends it with samples"
+    assert b.state is State.CLOSED, "no readings are no evidence of pressure"
+    feed(b, clock, 0.99, 5.25)
+    assert b.state is State.OPEN
+    for _ in range(int(45 / 0.25)):  # 10 s hold below, then the 30 s half-open timeout
+        clock.advance(0.25)
+        b.observe(None)
+    assert b.state is State.CLOSED, "a source gone quiet must not hold the pool degraded forever"
 
 
 def test_pool_policy_is_the_union_of_open_breakers():
