@@ -56,6 +56,10 @@ python_env() {
     "$venv/bin/uv" pip install --python "$venv/bin/python" --no-deps -r requirements/lock.txt >&2
     touch "$venv/.complete"
     say "Python environment ready in $((SECONDS - t0))s"
+    # Environments of older locks are several GB each: keep only this one.
+    for old in "$HOME_DIR"/venv-*; do
+      if [ -d "$old" ] && [ "$old" != "$venv" ]; then say "removing the old environment $old"; rm -rf "$old"; fi
+    done
   fi
   # Point the (shared) environment's editable install at this checkout: cheap, and it makes a
   # second checkout (CI's clone) use its own sources.
