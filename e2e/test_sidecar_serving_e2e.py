@@ -181,3 +181,18 @@ def _ok(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_oversize_requests_get_clear_errors(local_mesh):
+    mesh = local_mesh
+    big = "x" * (5 << 20)  # over the sidecar's 4 MiB max_body_bytes
+    r = httpx.post(mesh.base_url + "/v1/completions", json={"model": "tiny-llama", "prompt": big, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 413, r.text[:300]
+    assert "limit" in r.json()["error"]["message"]
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port(mesh, 'interactive')}") as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.InferenceStub(ch).Generate(pb.GenerateRequest(text=big, max_tokens=2), timeout=30))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # The pool is unharmed.
+    ok = httpx.post(mesh.base_url + "/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
