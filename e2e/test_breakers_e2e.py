@@ -19,21 +19,13 @@ import time
 import httpx
 import pytest
 
+from infermesh.launcher import wait_until as wait_for
+
 pytestmark = pytest.mark.e2e
 
 
 def state(mesh, pool: str) -> dict:
-    return httpx.get(mesh.admin_url(pool) + "/admin/state", timeout=5).json()
-
-
-def wait_for(pred, timeout: float, every: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return mesh.admin_state(pool)
 
 
 def probe_chat(mesh) -> httpx.Response:

@@ -52,7 +52,7 @@ class EnvoyUnderTest:
             listen_port=self.listen,
             admin_port=self.admin_port,
             wasm_path=paths.filter_wasm(),
-            filter_config={},
+            filter_config=filter_config if isinstance(filter_config, dict) else {},
             pools=[PoolEndpoint(n, "127.0.0.1", p) for n, p in pools.items()],
             default_pool="batch",
         )
@@ -62,8 +62,6 @@ class EnvoyUnderTest:
             hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
             hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"] = filter_config
             boot.write_text(json.dumps(doc))
-        else:
-            boot.write_text(boot.read_text().replace(json.dumps("{}")[1:-1], json.dumps(json.dumps(filter_config, separators=(",", ":")))[1:-1], 1))
         self.log_path = workdir / "envoy.log"
         self.proc = subprocess.Popen(
             [str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "info"],

@@ -11,8 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -20,7 +18,7 @@ import openai
 import pytest
 
 from infermesh import paths
-from infermesh.launcher import free_ports
+from infermesh.launcher import free_ports, wait_until as wait_for
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
@@ -28,18 +26,7 @@ pytestmark = pytest.mark.e2e
 
 
 def engines(mesh, pool: str) -> dict:
-    st = httpx.get(mesh.admin_url(pool) + "/admin/state", timeout=5).json()
-    return {e["model"]: e for e in st["engines"]}
-
-
-def wait_for(pred, timeout: float, every: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return {e["model"]: e for e in mesh.admin_state(pool)["engines"]}
 
 
 def grpc_port(mesh, pool: str) -> int:

@@ -66,6 +66,17 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def wait_until(pred: Callable[[], object], timeout: float, every: float = 0.1, what: str = "condition"):
+    """Poll `pred` until it returns something truthy (returned), or raise after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
 def _http_ok(url: str, timeout: float = 1.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -103,6 +114,11 @@ class LocalMesh:
     def admin_url(self, pool: str) -> str:
         p = next(p for p in self.plan.pools if p.name == pool)
         return f"http://127.0.0.1:{p.admin_port}"
+
+    def admin_state(self, pool: str) -> dict:
+        """A pool sidecar's GET /admin/state."""
+        with urllib.request.urlopen(self.admin_url(pool) + "/admin/state", timeout=5) as r:
+            return json.loads(r.read())
 
     @property
     def base_url(self) -> str:

@@ -175,11 +175,13 @@ class EngineManager:
         self.policy = PoolPolicy(self.breakers)
         self._top_class = min(config.classes.items(), key=lambda kv: kv[1].priority)[0]
         self.readings: Readings | None = None
+        self._gpu = False  # decided once at start: vLLM's sleep mode needs CUDA
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         """Load the primary model and, with `standby`, the next one (blocking: tens of seconds on CPU)."""
+        self._gpu = _gpu_present()
         self.primary.start()
         if self.config.standby and len(self.ladder) > 1:
             self.ladder[1].start()
@@ -269,7 +271,7 @@ class EngineManager:
         # On a GPU, a degraded pool puts the big model to sleep once its in-flight requests are
         # done, so its memory is really freed; it wakes when the pool recovers. On CPU this is
         # off (vLLM's sleep mode needs CUDA).
-        if not _gpu_present() or len(self.ladder) < 2 or self.primary.engine is None:
+        if not self._gpu or len(self.ladder) < 2 or self.primary.engine is None:
             return
         degraded = self.serving_model() is not self.primary
         if degraded and not self.primary.sleeping and self.primary.inflight == 0:

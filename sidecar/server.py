@@ -121,13 +121,14 @@ async def run(config_path: str) -> int:
         status = health_pb2.HealthCheckResponse.SERVING if level == 0 else health_pb2.HealthCheckResponse.NOT_SERVING
         await health_servicer.set(FULL_SERVICE, status)
 
-    last_level = {"v": -1}
+    last_level = -1
 
     def on_sample(values: dict) -> None:
+        nonlocal last_level
         metrics.observe_pool(engine, values, config.monitor.interval_s)
-        if engine.policy.level != last_level["v"]:
-            last_level["v"] = engine.policy.level
-            asyncio.get_running_loop().create_task(on_sample_health(engine.policy.level))
+        if engine.policy.level != last_level:
+            last_level = engine.policy.level
+            asyncio.get_running_loop().create_task(on_sample_health(last_level))
 
     monitor_task = asyncio.create_task(engine.monitor_loop(on_sample))
     log.info(

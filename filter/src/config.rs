@@ -281,8 +281,6 @@ pub struct FilterConfig {
     pub max_body_bytes: usize,
     pub trusted: TrustedSources,
     pub emit_objective_header: bool,
-    /// Every (class, pool) pair a decision can produce, for metrics set-up.
-    pub classes: BTreeMap<String, (String, String)>,
 }
 
 /// Why a configuration was refused; `field` is a JSON-path-like location.
@@ -452,7 +450,6 @@ impl FilterConfig {
             max_body_bytes: raw.body.max_bytes,
             trusted,
             emit_objective_header: raw.emit_objective_header,
-            classes,
         })
     }
 

@@ -208,17 +208,32 @@ impl Request {
         self.metrics.decision(d);
     }
 
+    /// Decide with the body known or known to be unavailable (never `Body::NotYet`, so the
+    /// classifier always decides).
     fn decide_now(&mut self, config: &FilterConfig, body: Body) {
         self.waiting_for_body = false;
-        match classify(config, &self.headers, body) {
-            Outcome::Decided(d) => self.write(config, &d),
-            // Only reachable with Body::NotYet, which is never passed here; decide on headers.
-            Outcome::NeedBody => {
-                if let Outcome::Decided(d) = classify(config, &self.headers, Body::Unavailable(Fallback::Missing)) {
-                    self.write(config, &d)
-                }
+        if let Outcome::Decided(d) = classify(config, &self.headers, body) {
+            self.write(config, &d)
+        }
+    }
+
+    fn decide_on_body(&mut self, config: &FilterConfig, bytes: &[u8]) {
+        match parse_body(bytes) {
+            Ok(facts) => self.decide_now(config, Body::Parsed(&facts)),
+            Err(_) => {
+                let why = if bytes.is_empty() { Fallback::Missing } else { Fallback::InvalidJson };
+                self.decide_now(config, Body::Unavailable(why));
             }
         }
+    }
+
+    /// Remove every client-sent `x-infermesh-*` header, from Envoy and from the snapshot the
+    /// classifier reads.
+    fn strip_internal_headers(&mut self) {
+        for (name, _) in self.headers.all.iter().filter(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX)) {
+            self.set_http_request_header(name, None);
+        }
+        self.headers.all.retain(|(k, _)| !k.starts_with(INTERNAL_HEADER_PREFIX));
     }
 }
 
@@ -246,9 +261,7 @@ impl HttpContext for Request {
             Some(c) => Rc::clone(c),
             None => {
                 // No valid config ever arrived: still never let a client steer routing.
-                for (name, _) in self.headers.all.iter().filter(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX)) {
-                    self.set_http_request_header(name, None);
-                }
+                self.strip_internal_headers();
                 return Action::Continue;
             }
         };
@@ -261,12 +274,8 @@ impl HttpContext for Request {
                     return Action::Continue;
                 }
             } else {
-                for (name, _) in self.headers.all.iter().filter(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX)) {
-                    self.set_http_request_header(name, None);
-                }
+                self.strip_internal_headers();
                 bump(self.metrics.stripped);
-                // The classifier must not see what was just removed.
-                self.headers.all.retain(|(k, _)| !k.starts_with(INTERNAL_HEADER_PREFIX));
             }
         }
         match classify(&config, &self.headers, Body::NotYet) {
@@ -317,13 +326,7 @@ impl HttpContext for Request {
             return Action::Pause; // keep buffering
         }
         let bytes = self.get_http_request_body(0, body_size).unwrap_or_default();
-        match parse_body(&bytes) {
-            Ok(facts) => self.decide_now(&config, Body::Parsed(&facts)),
-            Err(_) => {
-                let why = if bytes.is_empty() { Fallback::Missing } else { Fallback::InvalidJson };
-                self.decide_now(&config, Body::Unavailable(why));
-            }
-        }
+        self.decide_on_body(&config, &bytes);
         Action::Continue
     }
 
@@ -331,14 +334,8 @@ impl HttpContext for Request {
         // A body followed by trailers never reports end_of_stream on the body: decide here.
         if self.waiting_for_body {
             if let Some(config) = self.config.clone() {
-                let bytes = hostcalls::get_buffer(proxy_wasm::types::BufferType::HttpRequestBody, 0, config.max_body_bytes)
-                    .ok()
-                    .flatten()
-                    .unwrap_or_default();
-                match parse_body(&bytes) {
-                    Ok(facts) => self.decide_now(&config, Body::Parsed(&facts)),
-                    Err(_) => self.decide_now(&config, Body::Unavailable(Fallback::InvalidJson)),
-                }
+                let bytes = self.get_http_request_body(0, config.max_body_bytes).unwrap_or_default();
+                self.decide_on_body(&config, &bytes);
             }
         }
         Action::Continue

@@ -13,10 +13,6 @@ from pathlib import Path
 from .envoy_bootstrap import MeshListener, PoolEndpoint
 from .policy import LOCAL_POLICY, Policy, load_policy
 
-PUBLIC_MODEL = "tiny-llama"
-"""The model name clients of the local default use; both pools accept it."""
-
-
 @dataclass
 class PoolPorts:
     """Where one pool's sidecar listens on this machine."""

@@ -23,7 +23,6 @@ the line and the field.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Annotated, Any
@@ -166,9 +165,6 @@ class Policy(_Strict):
             shed.extend(c for c in wd.shed_classes if c not in shed)
         return spill, shed
 
-    def pool_of_class(self, cls: str) -> str:
-        return self.classes[cls].pool
-
     @property
     def default_pool(self) -> str:
         return self.classes[self.default_class].pool
@@ -271,6 +267,3 @@ def load_policy(path: str | Path) -> Policy:
 LOCAL_POLICY = Path(__file__).resolve().parent.parent / "policies" / "local.yaml"
 """The embedded default: two pools on one machine with the small local models."""
 
-
-def dump_json(obj: Any) -> str:
-    return json.dumps(obj, indent=2, sort_keys=False)

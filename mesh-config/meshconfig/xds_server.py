@@ -21,7 +21,6 @@ import json
 import logging
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from .envoy_bootstrap import ROUTE_CONFIG_NAME, MeshListener, PoolEndpoint, bootstrap, route_config
-from .policy import PolicyError, load_policy
+from .policy import Policy, PolicyError, load_policy
 
 log = logging.getLogger("infermesh.xds")
 
@@ -66,12 +65,11 @@ class MeshTarget:
     endpoints: dict[str, tuple[str, int]]  # pool -> (host, port)
 
 
-def build_snapshot(policy_path: Path, target: MeshTarget, levels: dict[str, int] | None = None) -> Snapshot:
-    policy = load_policy(policy_path)
+def build_snapshot(policy: Policy, target: MeshTarget, levels: dict[str, int] | None = None) -> Snapshot:
     spill, shed = policy.degraded_overlay(levels or {})
     missing = set(policy.pools) - set(target.endpoints)
     if missing:
-        raise PolicyError(str(policy_path), [(None, "pools", f"no endpoint given for pools {sorted(missing)}")])
+        raise ValueError(f"no endpoint given for pools {sorted(missing)}")
     listener = MeshListener(
         listen_host=target.listen_host,
         listen_port=target.listen_port,
@@ -107,6 +105,7 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.target = target
         self.pool_admins = pool_admins or {}
         self.levels: dict[str, int] = {}
+        self.policy: Policy | None = None  # the last good one
         self.snapshot: Snapshot | None = None
         self._subscribers: set[asyncio.Queue] = set()
         self._file_sig: tuple | None = None
@@ -115,15 +114,32 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
 
     # -- configuration ------------------------------------------------------------------------
 
-    def reload(self) -> bool:
-        """Rebuild from the policy file; on any error keep the last good snapshot."""
+    def file_signature(self) -> tuple | None:
         try:
-            snap = build_snapshot(self.policy_path, self.target, self.levels)
+            st = self.policy_path.stat()
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def load_policy_file(self) -> bool:
+        """Read and validate the policy file; a rejected one leaves the last good policy in use."""
+        self._file_sig = self.file_signature()
+        try:
+            policy = load_policy(self.policy_path)
         except PolicyError as e:
             self.rejections += 1
             log.error("policy rejected; keeping the last good config", extra={"problems": str(e), "kept": self.version})
             return False
-        except Exception as e:  # a generator bug must not take the control plane down
+        self.policy = policy
+        return self.publish()
+
+    def publish(self) -> bool:
+        """Rebuild the resources from the last good policy and the pools' levels; push if new."""
+        if self.policy is None:
+            return False
+        try:
+            snap = build_snapshot(self.policy, self.target, self.levels)
+        except Exception as e:  # a generator bug or a missing endpoint must not take the control plane down
             self.rejections += 1
             log.exception("config generation failed; keeping the last good config", extra={"error": str(e)})
             return False
@@ -140,15 +156,9 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
 
     async def watch_file(self, interval: float = 0.1) -> None:
         while True:
-            try:
-                st = self.policy_path.stat()
-                sig = (st.st_mtime_ns, st.st_size, hashlib.sha256(self.policy_path.read_bytes()).hexdigest())
-            except OSError:
-                sig = None
-            if sig != self._file_sig:
-                self._file_sig = sig
-                if sig is not None:
-                    self.reload()
+            sig = self.file_signature()
+            if sig is not None and sig != self._file_sig:
+                self.load_policy_file()
             await asyncio.sleep(interval)
 
     async def watch_pool(self, pool: str, admin_url: str) -> None:
@@ -169,7 +179,7 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                             if self.levels.get(pool) != level:
                                 log.warning("pool level changed", extra={"pool": pool, "level": level})
                                 self.levels[pool] = level
-                                self.reload()
+                                self.publish()
             except (httpx.HTTPError, OSError, ValueError):
                 pass  # the sidecar is starting or restarting: keep the last known level, retry
             await asyncio.sleep(0.5)
@@ -318,10 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         endpoints[name] = (host, int(port))
     admins = dict(spec.split("=", 1) for spec in args.pool_admin)
     cp = ControlPlane(Path(args.policy), MeshTarget(args.listen_host, args.listen_port, Path(args.wasm), endpoints), admins)
-    if not cp.reload():
-        print(f"infermesh-xds: the policy is not usable at start; see the log", file=sys.stderr)
+    if not cp.load_policy_file():
+        print("infermesh-xds: the policy is not usable at start; see the log", file=sys.stderr)
         return 2
-    cp._file_sig = None  # let the watcher take its first signature
     return asyncio.run(serve(cp, args.host, args.port))
 
 

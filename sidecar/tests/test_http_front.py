@@ -2,7 +2,6 @@
 JSON and status codes, identity headers. The real engine is covered by the e2e tests."""
 
 import json
-from dataclasses import dataclass
 
 import pytest
 from fastapi.testclient import TestClient
