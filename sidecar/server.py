@@ -86,6 +86,17 @@ async def run(config_path: str) -> int:
             metrics.model_load.labels(m.config.name).set(m.load_seconds)
 
     grpc_server, health_servicer, grpc_port = await start_grpc(engine, metrics)
+    # The admin API first: once /health says ready, everything this process serves is up.
+    admin = _Uvicorn(
+        uvicorn.Config(build_admin_app(engine), host=config.admin.host, port=config.admin.port, log_level="warning",
+                       access_log=False, lifespan="off")
+    )
+    admin_task = asyncio.create_task(admin.serve())
+    while not admin.started and not admin_task.done():
+        await asyncio.sleep(0.05)
+    admin_port = admin.servers[0].sockets[0].getsockname()[1] if admin.started else None
+    admin_grpc, admin_grpc_port = await start_admin_grpc(engine)
+
     http = _Uvicorn(
         uvicorn.Config(
             build_app(engine, metrics),
@@ -102,18 +113,10 @@ async def run(config_path: str) -> int:
         await asyncio.sleep(0.05)
     if http_task.done():
         log.error("HTTP front failed to start")
-        await grpc_server.stop(0)
+        admin.should_exit = True
+        await asyncio.gather(grpc_server.stop(0), admin_grpc.stop(0))
         engine.shutdown()
         return 1
-    admin = _Uvicorn(
-        uvicorn.Config(build_admin_app(engine), host=config.admin.host, port=config.admin.port, log_level="warning",
-                       access_log=False, lifespan="off")
-    )
-    admin_task = asyncio.create_task(admin.serve())
-    while not admin.started and not admin_task.done():
-        await asyncio.sleep(0.05)
-    admin_port = admin.servers[0].sockets[0].getsockname()[1] if admin.started else None
-    admin_grpc, admin_grpc_port = await start_admin_grpc(engine)
 
     # grpc.health: "infermesh.pool.full_service" is SERVING only while no breaker action is on,
     # so a checker sees a degraded pool without the endpoint being taken out of rotation.
