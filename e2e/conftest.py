@@ -6,7 +6,9 @@ local models, Envoy with the compiled filter, all on free loopback ports.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,12 +48,33 @@ def echo_server(name: str, port: int) -> ThreadingHTTPServer:
 
         do_GET = do_POST = _reply
 
+        def setup(self):
+            super().setup()
+            self.server.connections.add(self.connection)
+
         def log_message(self, *a):
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", port), Echo)
+    srv = EchoServer(("127.0.0.1", port), Echo)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv
+
+
+class EchoServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, *a, **kw):
+        self.connections: set[socket.socket] = set()
+        super().__init__(*a, **kw)
+
+    def kill(self) -> None:
+        """Die like a killed process: stop listening and cut every open connection."""
+        self.shutdown()
+        self.server_close()
+        for c in list(self.connections):
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            c.close()
 
 
 @pytest.fixture(scope="session")

@@ -10,13 +10,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from infermesh import paths
-from infermesh.launcher import free_ports
+from infermesh.launcher import free_ports, wait_until
 from infermesh.meshconfig.xds_server import xds_bootstrap
 
 POLICY = """\
@@ -45,10 +46,10 @@ def post(base: str, path: str = "/v1/chat/completions") -> dict:
 
 
 class Harness:
-    def __init__(self, tmp: Path, upstreams: dict[str, int]):
+    def __init__(self, tmp: Path, upstreams: dict[str, int], policy: str = POLICY.replace("CHAT_CLASS", "interactive")):
         self.tmp = tmp
         self.policy = tmp / "policy.yaml"
-        self.policy.write_text(POLICY.replace("CHAT_CLASS", "interactive"))
+        self.policy.write_text(policy)
         self.xds_port, self.listen, self.admin = free_ports(3)
         self.upstreams = upstreams
         self.cp: subprocess.Popen | None = None
@@ -98,16 +99,17 @@ def harness(upstreams, tmp_path):
 
 
 class Traffic:
-    """Requests in a loop from a thread; every failure is kept."""
+    """Requests in a loop from a thread; every failure is kept, and which upstream served each."""
 
-    def __init__(self, base: str):
+    def __init__(self, base: str, served: list[str] | None = None):
         self.base, self.stop_ev, self.failures, self.count = base, threading.Event(), [], 0
+        self.served = served if served is not None else []
         self.t = threading.Thread(target=self.run, daemon=True)
 
     def run(self):
         while not self.stop_ev.is_set():
             try:
-                post(self.base)
+                self.served.append(post(self.base)["upstream"])
                 self.count += 1
             except Exception as e:  # noqa: BLE001 — any failure counts
                 self.failures.append(repr(e))
@@ -170,3 +172,42 @@ def test_envoy_keeps_serving_when_the_control_plane_dies_and_resyncs_when_it_ret
         print(f"[xds] resynced {time.monotonic() - t0:.1f}s after the restart")
     assert not traffic.failures, traffic.failures[:5]
     assert traffic.count >= 10
+
+
+FAILOVER_POLICY = POLICY.replace("CHAT_CLASS", "interactive").replace(
+    "    models: [{name: tiny-llama-large}]\n",
+    "    models: [{name: tiny-llama-large}]\n    when_degraded: {at_level: 3, spill_to: batch}\n")
+
+
+def test_a_dead_pool_fails_over_to_its_spill_pool_without_a_failed_request(tmp_path):
+    """EDS gives the interactive clusters the batch endpoints at priority 1; when the interactive
+    upstream dies, requests that cannot connect are retried there — before any health check or
+    the control plane notices (this control plane follows no sidecar state)."""
+    from e2e.conftest import echo_server
+
+    p_int, p_batch = free_ports(2)
+    servers = {"interactive": echo_server("interactive", p_int), "batch": echo_server("batch", p_batch)}
+    h = Harness(tmp_path, {"interactive": p_int, "batch": p_batch}, policy=FAILOVER_POLICY)
+    try:
+        assert h.wait_serving()["upstream"] == "interactive"
+        served: list[str] = []
+        with Traffic(h.base, served) as traffic:
+            time.sleep(0.5)
+            servers["interactive"].kill()
+            t_kill = time.monotonic()
+            wait_until(lambda: served and served[-1] == "batch", 5, every=0.01, what="traffic to fail over")
+            failover_s = time.monotonic() - t_kill
+            time.sleep(0.5)
+        # Both pools gone: Envoy's own reply, as an OpenAI error with Retry-After.
+        servers["batch"].kill()
+        req = urllib.request.Request(h.base + "/v1/chat/completions", data=b"{}", method="POST", headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=5)
+        assert e.value.code == 503 and int(e.value.headers["retry-after"]) >= 1
+        assert json.loads(e.value.read())["error"]["code"] == "pool_unavailable"
+    finally:
+        h.stop()
+    print(f"[failover] first request served by the spill pool {failover_s * 1000:.0f} ms after the upstream died; "
+          f"{traffic.count} requests, none failed")
+    assert served.index("batch") > 0 and served[-1] == "batch"
+    assert not traffic.failures, traffic.failures[:5]

@@ -142,3 +142,25 @@ def test_grpc_client_streams_tokens_from_generate(local_mesh):
         with pytest.raises(grpc.RpcError) as e:
             list(pb_grpc.InferenceStub(ch).Generate(pb.GenerateRequest(model="nope", text="x"), timeout=10))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_grpc_through_the_mesh_is_classified_and_routed_to_the_pools_grpc_front(local_mesh):
+    """Envoy's listener speaks HTTP/2 without TLS too: the filter classifies Generate by its method
+    (rule grpc-generate), the route sends it to the interactive pool's gRPC front, and a client's
+    own routing metadata is stripped."""
+    with grpc.insecure_channel(f"127.0.0.1:{local_mesh.plan.listen_port}") as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="infermesh.v1.Inference"), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        call = pb_grpc.InferenceStub(ch).Generate(
+            pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hi")]), max_tokens=6, temperature=0),
+            metadata=(("x-infermesh-pool", "batch"), ("x-infermesh-class", "batch")),
+            timeout=60,
+        )
+        msgs = list(call)
+        trailers = dict(call.trailing_metadata())
+    final = msgs[-1].final
+    assert final.served_by == "interactive/0" and final.model == "tiny-llama-large"
+    assert final.usage.completion_tokens == 6
+    assert trailers["x-infermesh-served-by"] == "interactive/0"
+    stats = httpx.get(f"http://127.0.0.1:{local_mesh.plan.admin_port}/stats?filter=cluster.pool_interactive_grpc.upstream_rq_total", timeout=5).text
+    assert int(stats.split(":")[-1]) >= 1, stats

@@ -144,7 +144,7 @@ class LocalMesh:
                "--port", str(self.plan.xds_port), "--listen-host", self.plan.host, "--listen-port", str(self.plan.listen_port),
                "--wasm", str(self.wasm)]
         for p in self.plan.pools:
-            xds += ["--pool", f"{p.name}={self.plan.host}:{p.http_port}"]
+            xds += ["--pool", f"{p.name}={self.plan.host}:{p.http_port}:{p.grpc_port}"]
             if p.admin_port:
                 xds += ["--pool-admin", f"{p.name}=http://127.0.0.1:{p.admin_port}"]
         self._spawn("control-plane", xds)

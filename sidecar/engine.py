@@ -204,6 +204,9 @@ class EngineManager:
 
     def begin_drain(self) -> None:
         self._draining = True
+        # Watchers (the control plane) take the pool out of routing before the health checks do.
+        self._emit({"at": time.time(), "event": "draining", "ready": False, "draining": True,
+                    "pool_actions": sorted(self.policy.actions)})
 
     def shutdown(self) -> None:
         for m in self.ladder:
@@ -225,6 +228,9 @@ class EngineManager:
         }
         self.transitions.append(event)
         log.warning("breaker transition", extra=event)
+        self._emit(event)
+
+    def _emit(self, event: dict) -> None:
         for q in list(self._watchers):
             q.put_nowait(event)
         for cb in self.on_change:

@@ -148,6 +148,9 @@ class AdminServicer(pb_grpc.AdminServicer):
             yield pb.PoolEvent(state=pool_state_pb(self.engine.state()))
             while True:
                 ev = await q.get()
+                if "breaker" not in ev:  # not a breaker transition (e.g. draining): the whole state
+                    yield pb.PoolEvent(state=pool_state_pb(self.engine.state()))
+                    continue
                 yield pb.PoolEvent(
                     transition=pb.BreakerTransition(
                         at_unix=ev["at"], breaker=ev["breaker"], from_state=ev["from"], to_state=ev["to"],

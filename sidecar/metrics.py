@@ -85,6 +85,11 @@ class SidecarMetrics:
         if e.code in ("pool_shedding", "pool_critical_only") or (e.http_status == 429):
             self.shed.labels(request_class or "unknown", e.code or "concurrency_limit").inc()
 
+    def count_transition(self, event: dict) -> None:
+        """EngineManager.on_change callback: one breaker state change (other events are ignored)."""
+        if "breaker" in event and event.get("from") != event.get("to"):
+            self.breaker_transitions.labels(event["breaker"], event["to"]).inc()
+
     def observe_pool(self, engine, values: dict, interval_s: float) -> None:
         """Called by the monitor loop after each sample."""
         codes = {"closed": 0, "half_open": 1, "open": 2}

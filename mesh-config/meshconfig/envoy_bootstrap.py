@@ -1,8 +1,15 @@
-"""Generate a static Envoy bootstrap for the local mesh: one listener with the infermesh Wasm
-filter, one route per pool keyed on the filter's `x-infermesh-pool` header, one cluster per pool.
+"""Generate the Envoy resources of the mesh: one listener with the infermesh Wasm filter, routes
+keyed on the filter's `x-infermesh-pool` header, and per pool two clusters: the OpenAI HTTP front
+(`pool_NAME`) and the gRPC front (`pool_NAME_grpc`, HTTP/2, gRPC health checks).
 
-The control plane (xDS) serves the same resources dynamically; this static form is what a
-single `envoy -c` needs and what tests read.
+The control plane (xDS) serves the same resources dynamically (endpoints over EDS); the static
+form here is what a single `envoy -c` needs and what tests read.
+
+Failover: a pool whose policy names a `when_degraded.spill_to` pool gets that pool's endpoints
+at priority 1 of its clusters. Envoy sends nothing there while the pool's own endpoints are
+healthy; a request that cannot connect (or is reset before any response) is retried once on the
+next priority, so a sidecar that dies loses no request that had not started streaming, even
+before the control plane or the health checks notice.
 """
 
 from __future__ import annotations
@@ -17,11 +24,12 @@ REQUEST_BUFFER_LIMIT_BYTES = 2 * 1024 * 1024 + 1024 * 1024
 
 @dataclass(frozen=True)
 class PoolEndpoint:
-    """Where one pool's sidecar listens (its OpenAI HTTP front)."""
+    """Where one pool's sidecar listens: its OpenAI HTTP front and (if any) its gRPC front."""
 
     pool: str
     host: str
     port: int
+    grpc_port: int = 0
 
 
 @dataclass
@@ -40,10 +48,15 @@ class MeshListener:
     """pool -> pool that takes its traffic while it is degraded."""
     shed_classes: list[str] = field(default_factory=list)
     """Classes answered at the edge with 429 + Retry-After while a pool is degraded."""
+    failover: dict[str, str] = field(default_factory=dict)
+    """pool -> pool whose endpoints stand behind it at priority 1 (the policy's spill_to)."""
+
+    def pool(self, name: str) -> PoolEndpoint:
+        return next(p for p in self.pools if p.pool == name)
 
 
-def cluster_name(pool: str) -> str:
-    return f"pool_{pool}"
+def cluster_name(pool: str, grpc: bool = False) -> str:
+    return f"pool_{pool}_grpc" if grpc else f"pool_{pool}"
 
 
 def _wasm_filter(m: MeshListener) -> dict:
@@ -114,36 +127,75 @@ def route_config(m: MeshListener) -> dict:
 ROUTE_CONFIG_NAME = "infermesh"
 
 
-def _routes(m: MeshListener) -> list[dict]:
-    routes = [_shed_route(c) for c in m.shed_classes]
-    for p in m.pools:
-        routes.append(
-            {
-                "name": f"class-pool-{p.pool}",
-                "match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "string_match": {"exact": p.pool}}]},
-                # timeout 0: a streamed completion may legitimately run for minutes; the stream
-                # idle timeout below still ends a stuck one.
-                "route": {"cluster": cluster_name(m.spill.get(p.pool, p.pool)), "timeout": "0s"},
-            }
-        )
-    default = m.default_pool or (m.pools[0].pool if m.pools else "")
-    if default:
-        routes.append(
-            {"name": "default-pool", "match": {"prefix": "/"},
-             "route": {"cluster": cluster_name(m.spill.get(default, default)), "timeout": "0s"}}
-        )
+GRPC_CONTENT_TYPE = {"name": "content-type", "string_match": {"prefix": "application/grpc"}}
+
+# Retries only where no response has begun: a refused or reset connection (a dead or restarting
+# sidecar). The retry goes to the next priority (the failover pool's endpoints, if any) and to
+# another host. Streams that already sent headers are never replayed.
+RETRY_POLICY = {
+    "retry_on": "connect-failure,refused-stream,reset",
+    "num_retries": 2,
+    "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
+    "retry_priority": {
+        "name": "envoy.retry_priorities.previous_priorities",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",
+                         "update_frequency": 1},
+    },
+    "retry_host_predicate": [{
+        "name": "envoy.retry_host_predicates.previous_hosts",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+    }],
+    "host_selection_retry_max_attempts": 3,
+}
+
+
+def _pool_routes(m: MeshListener, name: str, target: str, match_headers: list[dict]) -> list[dict]:
+    """The gRPC route (if the pool has a gRPC front) and the HTTP route for requests of `name`."""
+    # timeout 0: a streamed completion may legitimately run for minutes; the stream idle
+    # timeout still ends a stuck one.
+    routes = []
+    if m.pool(target).grpc_port:
+        routes.append({"name": f"{name}-grpc", "match": {"prefix": "/", "headers": match_headers + [GRPC_CONTENT_TYPE]},
+                       "route": {"cluster": cluster_name(target, grpc=True), "timeout": "0s", "retry_policy": RETRY_POLICY}})
+    routes.append({"name": name, "match": {"prefix": "/", "headers": match_headers} if match_headers else {"prefix": "/"},
+                   "route": {"cluster": cluster_name(target), "timeout": "0s", "retry_policy": RETRY_POLICY}})
     return routes
 
 
-def _cluster(p: PoolEndpoint) -> dict:
-    return {
-        "name": cluster_name(p.pool),
+def _routes(m: MeshListener) -> list[dict]:
+    routes = [_shed_route(c) for c in m.shed_classes]
+    for p in m.pools:
+        header = [{"name": POOL_HEADER, "string_match": {"exact": p.pool}}]
+        routes += _pool_routes(m, f"class-pool-{p.pool}", m.spill.get(p.pool, p.pool), header)
+    default = m.default_pool or (m.pools[0].pool if m.pools else "")
+    if default:
+        # No pool header: the filter failed open (or is not there); the default class's pool serves.
+        routes += _pool_routes(m, "default-pool", m.spill.get(default, default), [])
+    return routes
+
+
+def load_assignment(m: MeshListener, pool: str, grpc: bool = False) -> dict:
+    """The pool's endpoints at priority 0 and its failover pool's at priority 1."""
+    def lb(p: PoolEndpoint) -> list[dict]:
+        port = p.grpc_port if grpc else p.port
+        return [{"endpoint": {"address": {"socket_address": {"address": p.host, "port_value": port}}}}] if port else []
+
+    endpoints = [{"priority": 0, "lb_endpoints": lb(m.pool(pool))}]
+    backup = m.failover.get(pool)
+    if backup and lb(m.pool(backup)):
+        endpoints.append({"priority": 1, "lb_endpoints": lb(m.pool(backup))})
+    return {"cluster_name": cluster_name(pool, grpc), "endpoints": endpoints}
+
+
+def _cluster(m: MeshListener, p: PoolEndpoint, grpc: bool = False) -> dict:
+    c = {
+        "name": cluster_name(p.pool, grpc),
         "type": "STATIC",
         "connect_timeout": "1s",
         # Envoy's own limits per pool: far above what a sidecar admits (it sheds with 429 first),
         # they stop a runaway client from piling connections onto a GPU pool.
         "circuit_breakers": {"thresholds": [{"priority": "DEFAULT", "max_connections": 4096, "max_pending_requests": 4096,
-                                             "max_requests": 4096, "max_retries": 3}]},
+                                             "max_requests": 4096, "max_retries": 64}]},
         # Eject a sidecar that fails at the connection level (dead, hung), never one that
         # answers 429/503 on purpose: shedding is the pool protecting itself, not a fault.
         "outlier_detection": {
@@ -153,18 +205,53 @@ def _cluster(p: PoolEndpoint) -> dict:
             "enforcing_consecutive_5xx": 0,
             "enforcing_consecutive_gateway_failure": 0,
             "enforcing_success_rate": 0,
+            "enforcing_local_origin_success_rate": 0,
             "interval": "2s",
             "base_ejection_time": "10s",
             "max_ejection_percent": 50,
         },
-        # The sidecar's /health is 200 while it serves and 503 while loading or draining.
+        # HTTP: /health is 200 while the sidecar serves and 503 while loading or draining.
+        # gRPC: grpc.health.v1 for the Inference service, NOT_SERVING while draining.
         "health_checks": [{"timeout": "1s", "interval": "2s", "unhealthy_threshold": 2, "healthy_threshold": 1,
-                           "http_health_check": {"path": "/health"}}],
-        "load_assignment": {
-            "cluster_name": cluster_name(p.pool),
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": p.host, "port_value": p.port}}}}]}],
-        },
+                           **({"grpc_health_check": {"service_name": GRPC_HEALTH_SERVICE}} if grpc
+                              else {"http_health_check": {"path": "/health"}})}],
+        "load_assignment": load_assignment(m, p.pool, grpc),
     }
+    if grpc:
+        c["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return c
+
+
+GRPC_HEALTH_SERVICE = "infermesh.v1.Inference"
+
+
+def clusters(m: MeshListener) -> list[dict]:
+    out = []
+    for p in m.pools:
+        out.append(_cluster(m, p))
+        if p.grpc_port:
+            out.append(_cluster(m, p, grpc=True))
+    return out
+
+
+# Envoy's own local replies when no pool can take a request (every endpoint of the pool and of
+# its failover down, connections refused, Envoy's circuit breaker full) become OpenAI errors with
+# Retry-After, like the sidecars' own 503s. gRPC callers get UNAVAILABLE (Envoy maps the status).
+NO_UPSTREAM_FLAGS = ["UH", "UF", "URX", "UO", "UC"]
+LOCAL_REPLY_CONFIG = {
+    "mappers": [{
+        "filter": {"response_flag_filter": {"flags": NO_UPSTREAM_FLAGS}},
+        "headers_to_add": [{"header": {"key": "retry-after", "value": "2"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        "body_format_override": {"json_format": {"error": {
+            "message": "no sidecar of the pool can take the request right now (%RESPONSE_CODE_DETAILS%); retry later",
+            "type": "server_error", "param": None, "code": "pool_unavailable"}}},
+    }],
+}
 
 
 # The filter's counters carry their labels in the stat name
@@ -185,6 +272,7 @@ def bootstrap(m: MeshListener) -> dict:
         "stat_prefix": "infermesh",
         "codec_type": "AUTO",
         "stream_idle_timeout": "120s",
+        "local_reply_config": LOCAL_REPLY_CONFIG,
         "route_config": route_config(m),
         "http_filters": [
             _wasm_filter(m),
@@ -203,7 +291,7 @@ def bootstrap(m: MeshListener) -> dict:
                     "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
                 }
             ],
-            "clusters": [_cluster(p) for p in m.pools],
+            "clusters": clusters(m),
         },
     }
 

@@ -73,6 +73,7 @@ class LocalMeshPlan:
             admin_port=self.admin_port,
             wasm_path=wasm_path,
             filter_config=self.filter_config(),
-            pools=[PoolEndpoint(p.name, self.host, p.http_port) for p in self.pools],
+            pools=[PoolEndpoint(p.name, self.host, p.http_port, p.grpc_port) for p in self.pools],
             default_pool=self.policy.default_pool,
+            failover=self.policy.failover(),
         )

@@ -34,6 +34,10 @@ from infermesh.sidecar.breakers import BreakerConfig
 
 NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
+LEVEL_DOWN = 4
+"""A pool's level while its sidecar is gone (unreachable, restarting, draining): above every
+breaker level (1 shedding, 2 fallback model, 3 critical only), so `when_degraded` applies."""
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -70,9 +74,12 @@ class DegradedRouting(_Strict):
     """What the mesh does while this pool is degraded (its sidecars report the level)."""
 
     at_level: Annotated[int, Field(ge=1, le=3)] = 3
-    """From this pool level on: 1 shedding, 2 serving a fallback model, 3 critical classes only."""
+    """From this pool level on: 1 shedding, 2 serving a fallback model, 3 critical classes only.
+    A pool whose sidecar is gone (killed, restarting, draining) counts as past every level."""
     spill_to: Annotated[str, Field(pattern=NAME)] | None = None
-    """Send this pool's traffic to that pool instead (unless that one is degraded too)."""
+    """Send this pool's traffic to that pool instead (unless that one is degraded too). Its
+    endpoints also stand behind this pool's at priority 1: a request this pool's sidecar refuses
+    at the connection level is retried there before anything else has noticed."""
     shed_classes: list[str] = []
     """Answer these classes at the edge with 429 + Retry-After, before they reach any pool."""
 
@@ -155,15 +162,24 @@ class Policy(_Strict):
         """(spill, shed_classes) for the pools' current levels (from their sidecars)."""
         spill: dict[str, str] = {}
         shed: list[str] = []
+
+        def degraded(name: str) -> bool:
+            wd = self.pools[name].when_degraded
+            level = levels.get(name, 0)
+            return level >= LEVEL_DOWN or (wd is not None and level >= wd.at_level)
+
         for name, p in self.pools.items():
             wd = p.when_degraded
-            if wd is None or levels.get(name, 0) < wd.at_level:
+            if wd is None or not degraded(name):
                 continue
-            target = wd.spill_to
-            if target is not None and not (self.pools[target].when_degraded and levels.get(target, 0) >= self.pools[target].when_degraded.at_level):
-                spill[name] = target
+            if wd.spill_to is not None and not degraded(wd.spill_to):
+                spill[name] = wd.spill_to
             shed.extend(c for c in wd.shed_classes if c not in shed)
         return spill, shed
+
+    def failover(self) -> dict[str, str]:
+        """pool -> the pool whose endpoints back it at priority 1 (its `when_degraded.spill_to`)."""
+        return {n: p.when_degraded.spill_to for n, p in self.pools.items() if p.when_degraded and p.when_degraded.spill_to}
 
     @property
     def default_pool(self) -> str:

@@ -1,15 +1,20 @@
 """A control plane for plain Envoy: ADS (aggregated discovery, state of the world) over grpcio,
 built on the Envoy protobufs from PyPI (xds-protos).
 
-It serves the listener (with the Wasm filter and the per-pool routes inline) and one cluster per
-pool, all generated from the policy file — the same generators as the static bootstrap. It
+It serves the listener with the Wasm filter (LDS), its route table (RDS), two clusters per pool
+(the HTTP and the gRPC front; CDS) and their endpoints (EDS), all generated from the policy
+file — the same generators as the static bootstrap. It
 watches the file: a valid edit reaches Envoy as a new version at once; an invalid one is logged
 with its file:line: field reasons and Envoy keeps the last good config. Envoy NACKs are logged
 and never retried with the same version. If the control plane dies, Envoy keeps serving its last
 config and resyncs when the control plane is back.
 
+It also follows each pool sidecar's admin event stream (`--pool-admin`): a pool that reports a
+degradation level, or whose sidecar goes away (stream broken, loading, draining), gets the
+policy's degraded-mode routing until it is back and serving.
+
     python -m infermesh.meshconfig.xds_server --policy FILE --port 18000 \\
-        --listen-port 8080 --pool interactive=127.0.0.1:8101 --pool batch=127.0.0.1:8102
+        --listen-port 8080 --pool interactive=127.0.0.1:8101:8201 --pool batch=127.0.0.1:8102:8202
 """
 
 from __future__ import annotations
@@ -30,23 +35,30 @@ from google.protobuf import any_pb2, json_format
 # The typed configs inside listeners/clusters must be known to the descriptor pool before
 # json_format can pack them into Any.
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
+from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2  # noqa: F401
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from .envoy_bootstrap import ROUTE_CONFIG_NAME, MeshListener, PoolEndpoint, bootstrap, route_config
-from .policy import Policy, PolicyError, load_policy
+from .policy import LEVEL_DOWN, Policy, PolicyError, load_policy
 
 log = logging.getLogger("infermesh.xds")
 
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
-# Clusters before listeners before routes: nothing may point at what Envoy does not have yet.
-PUSH_ORDER = {CLUSTER_TYPE: 0, LISTENER_TYPE: 1, ROUTE_TYPE: 2}
+ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+# Clusters, their endpoints, listeners, routes: nothing may point at what Envoy does not have yet.
+PUSH_ORDER = {CLUSTER_TYPE: 0, ENDPOINT_TYPE: 1, LISTENER_TYPE: 2, ROUTE_TYPE: 3}
+# Listeners and clusters are asked for by wildcard; endpoints and routes by name.
+NAMED_TYPES = {ENDPOINT_TYPE, ROUTE_TYPE}
 
 
 @dataclass(frozen=True)
@@ -62,7 +74,7 @@ class MeshTarget:
     listen_host: str
     listen_port: int
     wasm_path: Path
-    endpoints: dict[str, tuple[str, int]]  # pool -> (host, port)
+    endpoints: dict[str, tuple[str, int, int]]  # pool -> (host, HTTP port, gRPC port or 0)
 
 
 def build_snapshot(policy: Policy, target: MeshTarget, levels: dict[str, int] | None = None) -> Snapshot:
@@ -80,6 +92,7 @@ def build_snapshot(policy: Policy, target: MeshTarget, levels: dict[str, int] | 
         default_pool=policy.default_pool,
         spill=spill,
         shed_classes=shed,
+        failover=policy.failover(),
     )
     static = bootstrap(listener)["static_resources"]
     # Routes over RDS: a route change (a policy edit, a degraded pool) then updates the table in
@@ -88,15 +101,27 @@ def build_snapshot(policy: Policy, target: MeshTarget, levels: dict[str, int] | 
         hcm = l["filter_chains"][0]["filters"][0]["typed_config"]
         hcm.pop("route_config")
         hcm["rds"] = {"config_source": {"ads": {}, "resource_api_version": "V3"}, "route_config_name": ROUTE_CONFIG_NAME}
+    # Endpoints over EDS: a sidecar that moves or a failover change touches no cluster.
+    assignments = []
+    for c in static["clusters"]:
+        assignments.append(c.pop("load_assignment"))
+        c["type"] = "EDS"
+        c["eds_cluster_config"] = {"eds_config": {"ads": {}, "resource_api_version": "V3"}, "service_name": c["name"]}
     listeners = [json_format.ParseDict(l, listener_pb2.Listener()) for l in static["listeners"]]
     clusters = [json_format.ParseDict(c, cluster_pb2.Cluster()) for c in static["clusters"]]
+    endpoints = [json_format.ParseDict(a, endpoint_pb2.ClusterLoadAssignment()) for a in assignments]
     routes = [json_format.ParseDict(route_config(listener), route_pb2.RouteConfiguration())]
     digest = hashlib.sha256()
-    for m in listeners + clusters + routes:
+    for m in listeners + clusters + endpoints + routes:
         digest.update(m.SerializeToString(deterministic=True))
     if spill or shed:
         log.warning("degraded-mode routing", extra={"spill": spill, "shed_classes": shed, "levels": levels})
-    return Snapshot(digest.hexdigest()[:12], {LISTENER_TYPE: listeners, CLUSTER_TYPE: clusters, ROUTE_TYPE: routes})
+    return Snapshot(digest.hexdigest()[:12],
+                    {LISTENER_TYPE: listeners, CLUSTER_TYPE: clusters, ENDPOINT_TYPE: endpoints, ROUTE_TYPE: routes})
+
+
+def resource_name(m) -> str:
+    return m.cluster_name if isinstance(m, endpoint_pb2.ClusterLoadAssignment) else m.name
 
 
 class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
@@ -161,11 +186,33 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 self.load_policy_file()
             await asyncio.sleep(interval)
 
-    async def watch_pool(self, pool: str, admin_url: str) -> None:
-        """Follow one pool's state over its sidecar's admin event stream; re-route on changes."""
-        import httpx
+    def set_level(self, pool: str, level: int) -> None:
+        if self.levels.get(pool) != level:
+            log.warning("pool level changed", extra={"pool": pool, "level": level, "was": self.levels.get(pool)})
+            self.levels[pool] = level
+            self.publish()
 
-        from infermesh.sidecar.breakers import ACTION_ORDER
+    async def _wait_serving(self, client, pool: str, timeout: float = 30.0) -> bool:
+        """True once the pool sidecar's serving front answers /health with 200."""
+        host, port, _ = self.target.endpoints[pool]
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                if (await client.get(f"http://{host}:{port}/health", timeout=1.0)).status_code == 200:
+                    return True
+            except Exception:  # noqa: BLE001 — not up yet, whatever the error
+                pass
+            await asyncio.sleep(0.1)
+        return False
+
+    async def watch_pool(self, pool: str, admin_url: str) -> None:
+        """Follow one pool's state over its sidecar's admin event stream; re-route on changes.
+
+        A pool that was seen and is then lost (the stream breaks: the sidecar died or restarts;
+        or it reports loading or draining) is DOWN until its sidecar is back and its serving
+        front answers. A pool never seen yet keeps the plain routes: at start-up every pool is
+        still loading and there is nothing better to send its traffic to."""
+        import httpx
 
         while True:
             try:
@@ -174,15 +221,15 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                         async for line in r.aiter_lines():
                             if not line.startswith("data: "):
                                 continue
-                            ev = json.loads(line[6:])
-                            level = ev["level"] if "level" in ev else max((ACTION_ORDER[a] for a in ev.get("pool_actions", [])), default=0)
-                            if self.levels.get(pool) != level:
-                                log.warning("pool level changed", extra={"pool": pool, "level": level})
-                                self.levels[pool] = level
-                                self.publish()
+                            level = pool_level(json.loads(line[6:]))
+                            if level < LEVEL_DOWN and self.levels.get(pool) == LEVEL_DOWN and not await self._wait_serving(client, pool):
+                                break  # its admin API is back but it does not serve: reconnect and look again
+                            self.set_level(pool, level)
             except (httpx.HTTPError, OSError, ValueError):
-                pass  # the sidecar is starting or restarting: keep the last known level, retry
-            await asyncio.sleep(0.5)
+                pass  # the sidecar is gone, starting or restarting: retry
+            if pool in self.levels:
+                self.set_level(pool, LEVEL_DOWN)
+            await asyncio.sleep(0.2)
 
     # -- ADS ----------------------------------------------------------------------------------
 
@@ -192,6 +239,7 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self._subscribers.add(updates)
         subscribed: set[str] = set()
         sent: dict[str, str] = {}  # type_url -> version sent
+        names: dict[str, frozenset[str]] = {}  # type_url -> resource names asked for (named types)
         nonce = 0
         peer = context.peer()
 
@@ -203,6 +251,8 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             nonce += 1
             resources = []
             for m in snap.resources[type_url]:
+                if type_url in NAMED_TYPES and resource_name(m) not in names.get(type_url, ()):
+                    continue
                 a = any_pb2.Any()
                 a.Pack(m)
                 resources.append(a)
@@ -221,14 +271,18 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 if t not in subscribed:
                     subscribed.add(t)
                     log.info("envoy subscribed", extra={"type": t, "peer": peer, "has_version": req.version_info})
-                if self.snapshot and sent.get(t) != self.snapshot.version and req.version_info != self.snapshot.version:
+                asked = frozenset(req.resource_names)
+                new_names = t in NAMED_TYPES and names.get(t) != asked
+                names[t] = asked
+                # Answer a new version, or the same version for a new set of names (a cluster
+                # being warmed waits for its endpoints).
+                if self.snapshot and (new_names or (sent.get(t) != self.snapshot.version and req.version_info != self.snapshot.version)):
                     respond(t)
             out.put_nowait(None)
 
         async def push_updates():
             while True:
                 await updates.get()
-                # Clusters before listeners: a listener must not point at a cluster Envoy lacks.
                 for t in sorted(subscribed, key=lambda x: PUSH_ORDER.get(x, 9)):
                     if self.snapshot and sent.get(t) != self.snapshot.version:
                         respond(t)
@@ -245,6 +299,17 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             reader.cancel()
             pusher.cancel()
             self._subscribers.discard(updates)
+
+
+def pool_level(event: dict) -> int:
+    """A pool's level from one admin event: its breaker actions, or DOWN while not serving."""
+    from infermesh.sidecar.breakers import ACTION_ORDER
+
+    if event.get("ready") is False or event.get("draining"):
+        return LEVEL_DOWN
+    if "level" in event:
+        return int(event["level"])
+    return max((ACTION_ORDER[a] for a in event.get("pool_actions", [])), default=0)
 
 
 def xds_bootstrap(admin_port: int, xds_host: str, xds_port: int, node_id: str = "infermesh-local") -> dict:
@@ -315,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=18000)
     ap.add_argument("--listen-host", default="127.0.0.1")
     ap.add_argument("--listen-port", type=int, default=8080)
-    ap.add_argument("--pool", action="append", default=[], help="NAME=HOST:PORT of a pool's sidecar (repeat)")
+    ap.add_argument("--pool", action="append", default=[], help="NAME=HOST:HTTP_PORT[:GRPC_PORT] of a pool's sidecar (repeat)")
     ap.add_argument("--wasm", default=str(paths.filter_wasm()))
     ap.add_argument("--pool-admin", action="append", default=[], help="NAME=URL of a pool sidecar's admin API (repeat): its state drives degraded-mode routing")
     args = ap.parse_args(argv)
@@ -323,9 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("infermesh.xds").setLevel(logging.INFO)
     endpoints = {}
     for spec in args.pool:
-        name, _, hostport = spec.partition("=")
-        host, _, port = hostport.rpartition(":")
-        endpoints[name] = (host, int(port))
+        name, _, hostports = spec.partition("=")
+        host, http_port, grpc_port = (hostports.split(":") + ["0"])[:3]
+        endpoints[name] = (host, int(http_port), int(grpc_port))
     admins = dict(spec.split("=", 1) for spec in args.pool_admin)
     cp = ControlPlane(Path(args.policy), MeshTarget(args.listen_host, args.listen_port, Path(args.wasm), endpoints), admins)
     if not cp.load_policy_file():

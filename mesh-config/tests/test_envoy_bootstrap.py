@@ -1,35 +1,104 @@
-"""The generated Envoy bootstrap: routes follow the filter's pool header, and the real Envoy
-binary accepts the config (`--mode validate`)."""
+"""The generated Envoy bootstrap: routes follow the filter's pool header (gRPC to the pool's gRPC
+front), failover endpoints sit at priority 1, and the real Envoy binary accepts the config
+(`--mode validate`)."""
 
 import json
 import subprocess
 from pathlib import Path
 
 from infermesh import paths
-from infermesh.meshconfig.envoy_bootstrap import bootstrap, cluster_name
+from infermesh.meshconfig.envoy_bootstrap import GRPC_CONTENT_TYPE, POOL_HEADER, bootstrap, cluster_name
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 
 
-def test_one_route_and_cluster_per_pool_plus_default():
+def _hcm(b: dict) -> dict:
+    return b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def _route_table(b: dict) -> dict:
+    """(pool header value or None, is_grpc) -> cluster."""
+    table = {}
+    for r in _hcm(b)["route_config"]["virtual_hosts"][0]["routes"]:
+        headers = r["match"].get("headers", [])
+        pool = next((h["string_match"]["exact"] for h in headers if h["name"] == POOL_HEADER), None)
+        table[(pool, GRPC_CONTENT_TYPE in headers)] = r["route"]["cluster"]
+    return table
+
+
+def test_http_and_grpc_route_and_cluster_per_pool_plus_default():
     plan = LocalMeshPlan()
     b = bootstrap(plan.listener(Path("/x.wasm")))
-    hcm = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    by_pool = {r["match"]["headers"][0]["string_match"]["exact"]: r["route"]["cluster"] for r in routes if "headers" in r["match"]}
-    assert by_pool == {"interactive": cluster_name("interactive"), "batch": cluster_name("batch")}
-    assert routes[-1]["route"]["cluster"] == cluster_name("batch")  # the default class's pool
-    assert {c["name"] for c in b["static_resources"]["clusters"]} == {"pool_interactive", "pool_batch"}
+    assert _route_table(b) == {
+        ("interactive", True): cluster_name("interactive", grpc=True),
+        ("interactive", False): cluster_name("interactive"),
+        ("batch", True): cluster_name("batch", grpc=True),
+        ("batch", False): cluster_name("batch"),
+        # No pool header (the filter failed open): the default class's pool.
+        (None, True): cluster_name("batch", grpc=True),
+        (None, False): cluster_name("batch"),
+    }
+    routes = _hcm(b)["route_config"]["virtual_hosts"][0]["routes"]
+    assert all("http_filters" not in r for r in routes)
+    # gRPC routes come before the HTTP route of the same pool (the HTTP route matches gRPC too).
+    names = [r["name"] for r in routes]
+    assert names.index("class-pool-interactive-grpc") < names.index("class-pool-interactive")
+    for r in routes:
+        retry = r["route"]["retry_policy"]
+        assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream", "reset"}
+        assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
+    clusters = {c["name"]: c for c in b["static_resources"]["clusters"]}
+    assert set(clusters) == {"pool_interactive", "pool_interactive_grpc", "pool_batch", "pool_batch_grpc"}
     # The wasm filter runs before the router and carries the filter config as JSON.
-    filters = [f["name"] for f in hcm["http_filters"]]
-    assert filters == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
-    cfg = json.loads(hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"])
-    assert cfg == plan.filter_config()
+    hcm = _hcm(b)
+    assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
+    assert json.loads(hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"]) == plan.filter_config()
     assert b["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
-    for c in b["static_resources"]["clusters"]:
-        assert c["health_checks"][0]["http_health_check"]["path"] == "/health"
+    for name, c in clusters.items():
+        hc = c["health_checks"][0]
+        if name.endswith("_grpc"):
+            assert hc["grpc_health_check"]["service_name"] == "infermesh.v1.Inference"
+            assert "http2_protocol_options" in json.dumps(c["typed_extension_protocol_options"])
+        else:
+            assert hc["http_health_check"]["path"] == "/health"
         od = c["outlier_detection"]
         assert od["split_external_local_origin_errors"] and od["enforcing_consecutive_5xx"] == 0, "shedding is not a fault"
         assert c["circuit_breakers"]["thresholds"][0]["max_requests"] > 0
+
+
+def test_the_spill_pool_backs_the_pool_at_priority_one():
+    plan = LocalMeshPlan()  # local.yaml: interactive spills to batch
+    assert plan.policy.failover() == {"interactive": "batch"}
+    b = bootstrap(plan.listener(Path("/x.wasm")))
+    clusters = {c["name"]: c for c in b["static_resources"]["clusters"]}
+    ports = {p.name: p for p in plan.pools}
+
+    def prio(cluster: str) -> dict[int, list[int]]:
+        return {e["priority"]: [lb["endpoint"]["address"]["socket_address"]["port_value"] for lb in e["lb_endpoints"]]
+                for e in clusters[cluster]["load_assignment"]["endpoints"]}
+
+    assert prio("pool_interactive") == {0: [ports["interactive"].http_port], 1: [ports["batch"].http_port]}
+    assert prio("pool_interactive_grpc") == {0: [ports["interactive"].grpc_port], 1: [ports["batch"].grpc_port]}
+    assert prio("pool_batch") == {0: [ports["batch"].http_port]}, "batch has no failover"
+
+
+def test_envoy_local_replies_for_a_missing_upstream_are_openai_errors_with_retry_after():
+    b = bootstrap(LocalMeshPlan().listener(Path("/x.wasm")))
+    mapper = _hcm(b)["local_reply_config"]["mappers"][0]
+    assert "UH" in mapper["filter"]["response_flag_filter"]["flags"]
+    assert mapper["headers_to_add"][0]["header"]["key"] == "retry-after"
+    assert mapper["body_format_override"]["json_format"]["error"]["code"] == "pool_unavailable"
+
+
+def test_degraded_overlay_treats_a_lost_pool_as_past_every_level():
+    from infermesh.meshconfig.policy import LEVEL_DOWN
+
+    policy = LocalMeshPlan().policy
+    assert policy.degraded_overlay({}) == ({}, [])
+    assert policy.degraded_overlay({"interactive": 2}) == ({}, [])
+    assert policy.degraded_overlay({"interactive": 3}) == ({"interactive": "batch"}, ["batch"])
+    assert policy.degraded_overlay({"interactive": LEVEL_DOWN}) == ({"interactive": "batch"}, ["batch"])
+    # Never spill into a pool that is gone too; still shed what the policy says.
+    assert policy.degraded_overlay({"interactive": LEVEL_DOWN, "batch": LEVEL_DOWN}) == ({}, ["batch"])
 
 
 def test_real_envoy_validates_the_generated_config(tmp_path):

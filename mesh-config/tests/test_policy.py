@@ -98,5 +98,7 @@ def test_degraded_routes_spill_and_shed_at_the_edge():
     listener.spill, listener.shed_classes = {"interactive": "batch"}, ["batch"]
     routes = route_config(listener)["virtual_hosts"][0]["routes"]
     assert routes[0]["direct_response"]["status"] == 429 and routes[0]["match"]["headers"][0]["string_match"]["exact"] == "batch"
-    by_pool = {r["match"]["headers"][0]["string_match"]["exact"]: r["route"]["cluster"] for r in routes[1:] if "headers" in r["match"]}
-    assert by_pool == {"interactive": "pool_batch", "batch": "pool_batch"}
+    by_pool = {(r["match"]["headers"][0]["string_match"]["exact"], len(r["match"]["headers"])): r["route"]["cluster"]
+               for r in routes[1:] if r["match"].get("headers", [{}])[0].get("name") == "x-infermesh-pool"}
+    assert by_pool == {("interactive", 1): "pool_batch", ("batch", 1): "pool_batch",
+                       ("interactive", 2): "pool_batch_grpc", ("batch", 2): "pool_batch_grpc"}
