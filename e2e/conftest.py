@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import socket
 import threading
 import time
@@ -17,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from infermesh import paths
-from infermesh.launcher import LocalMesh, free_ports
-from infermesh.meshconfig.local_mesh import LocalMeshPlan, PoolPorts
+from infermesh.launcher import LocalMesh, free_ports, plan_on_free_ports
 
 
 def echo_server(name: str, port: int) -> ThreadingHTTPServer:
@@ -91,19 +91,11 @@ E2E_POLICY = Path(__file__).resolve().parent / "policy-e2e.yaml"
 
 @pytest.fixture(scope="session")
 def local_mesh(tmp_path_factory) -> LocalMesh:
-    ports = free_ports(11)
-    plan = LocalMeshPlan(
-        policy_path=E2E_POLICY,
-        xds_port=ports[10],
-        listen_port=ports[0],
-        admin_port=ports[1],
-        pools=[
-            PoolPorts("interactive", ports[2], ports[3], ports[6], ports[8]),
-            PoolPorts("batch", ports[4], ports[5], ports[7], ports[9]),
-        ],
-    )
     run_dir: Path = tmp_path_factory.mktemp("mesh")
-    mesh = LocalMesh(plan, run_dir, paths.models_dir(), paths.filter_wasm())
+    # A copy: the invalid-policy drill writes over the file the control plane watches.
+    policy = run_dir / "policy.yaml"
+    shutil.copyfile(E2E_POLICY, policy)
+    mesh = LocalMesh(plan_on_free_ports(policy), run_dir, paths.models_dir(), paths.filter_wasm())
     t0 = time.monotonic()
     mesh.start(timeout=420, progress=lambda m: print(f"[mesh] {m}", flush=True))
     print(f"[mesh] up in {time.monotonic() - t0:.1f}s: {mesh.ready_after}", flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -43,6 +44,7 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    argv: list[str]
 
     def tail(self, n: int = 20) -> str:
         try:
@@ -52,18 +54,53 @@ class Child:
         return "\n".join(lines[-n:])
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (held together so they differ)."""
-    socks = []
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        for _ in range(n):
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1, below the kernel's ephemeral range.
+
+    A port picked by binding to 0 comes from the ephemeral range, and between picking it and the
+    server binding it (a sidecar binds its ports only after loading its models, a minute or more)
+    an outgoing connection or vLLM's own ZMQ sockets may take it. Ports below that range are
+    only ever taken on purpose."""
+    lo, hi = _ephemeral_range()
+    candidates = list(range(10000, lo)) if lo > 11000 else list(range(hi + 1, 65536))
+    random.SystemRandom().shuffle(candidates)
+    socks, ports = [], []
+    try:
+        for port in candidates:
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+        raise LaunchError(f"not {n} free ports on 127.0.0.1")
     finally:
         for s in socks:
             s.close()
+
+
+def plan_on_free_ports(policy_path: Path) -> LocalMeshPlan:
+    """A local mesh plan from a policy file with every port picked free on 127.0.0.1 (so it runs
+    beside another mesh, e.g. `infermesh up` on the default ports)."""
+    from infermesh.meshconfig.local_mesh import PoolPorts
+    from infermesh.meshconfig.policy import load_policy
+
+    policy = load_policy(policy_path)
+    ports = free_ports(3 + 4 * len(policy.pools))
+    pools = [PoolPorts(name, *ports[3 + 4 * i: 7 + 4 * i]) for i, name in enumerate(policy.pools)]
+    return LocalMeshPlan(policy_path=policy_path, policy=policy, listen_port=ports[0], admin_port=ports[1], xds_port=ports[2], pools=pools)
 
 
 def wait_until(pred: Callable[[], object], timeout: float, every: float = 0.1, what: str = "condition"):
@@ -99,13 +136,33 @@ class LocalMesh:
 
     def _spawn(self, name: str, argv: list[str]) -> Child:
         log_path = self.run_dir / f"{name}.log"
-        log = open(log_path, "wb")
+        log = open(log_path, "ab")  # a restarted process goes on in the same log
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         log.close()
-        child = Child(name, proc, log_path)
-        self.children.append(child)
+        child = Child(name, proc, log_path, argv)
+        self.children = [c for c in self.children if c.name != name] + [child]
         self.started_at[name] = time.monotonic()
         return child
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal a child's whole process group (a sidecar and its vLLM engine processes) and
+        reap it: what a node losing a pod looks like."""
+        c = self.child(name)
+        try:
+            os.killpg(c.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        c.proc.wait(timeout=30)
+
+    def restart(self, name: str) -> Child:
+        """Start a child again with the same command line (after `kill`); see `wait_ready`."""
+        c = self.child(name)
+        if c.proc.poll() is None:
+            raise LaunchError(f"{name} is still running")
+        return self._spawn(name, c.argv)
 
     def sidecar_url(self, pool: str) -> str:
         p = next(p for p in self.plan.pools if p.name == pool)
@@ -160,13 +217,20 @@ class LocalMesh:
              "--drain-time-s", "1", "--parent-shutdown-time-s", "2"],
         )
         progress(f"envoy: starting (listener :{self.plan.listen_port}, admin 127.0.0.1:{self.plan.admin_port})")
-        pending = {c.name for c in self.children}
+        try:
+            self.wait_ready({c.name for c in self.children}, timeout, progress)
+        except LaunchError:
+            self.stop()
+            raise
+
+    def wait_ready(self, names: set[str], timeout: float, progress: Callable[[str], None] = lambda s: None) -> None:
+        """Wait until every named child is ready; LaunchError if one exits or time runs out."""
+        pending = set(names)
         deadline = time.monotonic() + timeout
-        last_note = 0.0
+        last_note = time.monotonic()
         while pending:
             for c in self.children:
                 if c.name in pending and c.proc.poll() is not None:
-                    self.stop()
                     raise LaunchError(f"{c.name} exited with code {c.proc.returncode} while starting:\n{c.tail()}")
             for name in sorted(pending):
                 if self._ready(name):
@@ -174,11 +238,10 @@ class LocalMesh:
                     self.ready_after[name] = time.monotonic() - self.started_at[name]
                     progress(f"{name}: ready in {self.ready_after[name]:.1f}s")
             if time.monotonic() > deadline:
-                self.stop()
                 raise LaunchError(f"not ready after {timeout:.0f}s: {', '.join(sorted(pending))}")
             if pending and time.monotonic() - last_note > 10:
                 last_note = time.monotonic()
-                waited = time.monotonic() - min(self.started_at.values())
+                waited = time.monotonic() - min(self.started_at[n] for n in pending)
                 progress(f"waiting for {', '.join(sorted(pending))} ({waited:.0f}s; models load in ~30-60s on CPU)")
             time.sleep(0.25)
 
