@@ -127,6 +127,20 @@ def _cmd_policy_render(args: argparse.Namespace) -> int:
             print(f"unknown pool {args.pool!r}; pools: {', '.join(p.pools)}", file=sys.stderr)
             return 2
         out = p.sidecar_config(args.pool, paths.models_dir())
+    elif args.what == "istio":
+        from infermesh.meshconfig.istio import IstioConfigError, IstioOptions, module_sha256, render_yaml
+
+        url, sha = args.wasm_url, args.wasm_sha256
+        if url is None:
+            # The module built here, as a file the proxies would need mounted; say so.
+            url, sha = f"file://{paths.filter_wasm()}", sha or module_sha256(paths.filter_wasm())
+            print(f"infermesh: no --wasm-url: pointing at the local build {url}", file=sys.stderr)
+        try:
+            print(render_yaml(p, IstioOptions(wasm_url=url, wasm_sha256=sha or "", namespace=args.namespace)), end="")
+        except IstioConfigError as e:
+            print(f"{args.file}: {e}", file=sys.stderr)
+            return 2
+        return 0
     else:
         out = bootstrap(LocalMeshPlan(policy=p).listener(Path(paths.filter_wasm())))
     print(json.dumps(out, indent=2))
@@ -159,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     check.set_defaults(func=_cmd_policy_check)
     render = policy_sub.add_parser("render", help="print a config generated from a policy")
     render.add_argument("file")
-    render.add_argument("what", choices=["filter", "sidecar", "envoy"])
+    render.add_argument("what", choices=["filter", "sidecar", "envoy", "istio"])
     render.add_argument("pool", nargs="?", help="with `sidecar`: the pool")
+    render.add_argument("--wasm-url", help="with `istio`: where proxies fetch the filter (oci://…, https://…)")
+    render.add_argument("--wasm-sha256", help="with `istio`: the module's SHA-256 (the image digest for oci://)")
+    render.add_argument("--namespace", default="infermesh", help="with `istio`: the pools' namespace (default infermesh)")
     render.set_defaults(func=_cmd_policy_render)
 
     args = parser.parse_args(argv)

@@ -1,6 +1,10 @@
 """Sidecar process: one vLLM engine, its gRPC and OpenAI HTTP fronts, in one asyncio loop.
 
     python -m infermesh.sidecar.server --config sidecar.yaml
+    python -m infermesh.sidecar.server --policy policy.yaml --pool NAME [--host 0.0.0.0]
+
+The second form generates the pool's config from the mesh policy itself (what the Helm chart
+runs: the policy is mounted from a ConfigMap, so pods and routes come from the same file).
 
 SIGTERM or SIGINT drains: health turns NOT_SERVING, new requests get 503/UNAVAILABLE, in-flight
 streams get `drain_grace_s` to finish, then the engine and its worker processes stop.
@@ -16,11 +20,13 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 import uvicorn
 from grpc_health.v1 import health_pb2
+from pydantic import ValidationError
 
-from .config import ConfigError, load_config
+from .config import ConfigError, SidecarConfig, load_config
 from .engine import EngineManager
 from .grpc_api import FULL_SERVICE, INFERENCE_SERVICE, start_admin_grpc, start_grpc
 from .admin_api import build_admin_app
@@ -70,12 +76,7 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-async def run(config_path: str) -> int:
-    try:
-        config = load_config(config_path)
-    except ConfigError as e:
-        print(f"infermesh-sidecar: {e}", file=sys.stderr)
-        return 2
+async def run(config: SidecarConfig) -> int:
     setup_logging({"pool": config.pool, "instance_id": config.instance})
     metrics = SidecarMetrics(config.pool, config.instance)
     engine = EngineManager(config)
@@ -166,11 +167,65 @@ async def run(config_path: str) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def config_from_policy(policy_path: str, pool: str, *, models_dir: Path, host: str, http_port: int, grpc_port: int,
+                       instance: str, drain_grace_s: float | None) -> SidecarConfig:
+    """One pool's config generated from the mesh policy (Policy.sidecar_config), validated."""
+    from infermesh.meshconfig.policy import PolicyError, load_policy
+
+    try:
+        policy = load_policy(policy_path)
+    except PolicyError as e:
+        raise ConfigError(f"invalid policy:\n{e}") from e
+    if pool not in policy.pools:
+        raise ConfigError(f"{policy_path}: --pool {pool!r} is not one of the pools {sorted(policy.pools)}")
+    data = policy.sidecar_config(pool, models_dir, host=host, http_port=http_port, grpc_port=grpc_port, instance=instance)
+    if drain_grace_s is not None:
+        data["server"]["drain_grace_s"] = drain_grace_s
+    try:
+        return SidecarConfig.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"{policy_path}: the config generated for pool {pool!r} is invalid: {problems}") from e
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infermesh-sidecar")
-    parser.add_argument("--config", required=True, help="sidecar config file (YAML or JSON)")
-    args = parser.parse_args(argv)
-    return asyncio.run(run(args.config))
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="sidecar config file (YAML or JSON)")
+    source.add_argument("--policy", help="mesh policy file: generate this pool's config from it (needs --pool)")
+    gen = parser.add_argument_group("with --policy")
+    gen.add_argument("--pool", help="the pool this sidecar serves")
+    gen.add_argument("--host", default="127.0.0.1", help="bind address of the serving ports (default 127.0.0.1; the admin API stays on loopback)")
+    gen.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP front (default 8000)")
+    gen.add_argument("--grpc-port", type=int, default=50051, help="gRPC front (default 50051)")
+    gen.add_argument("--instance", default="0", help="this replica's id in the pool (the chart passes the pod name)")
+    gen.add_argument("--models-dir", help="where models without a path live (default: $INFERMESH_HOME/models)")
+    gen.add_argument("--drain-grace-s", type=float, help="on SIGTERM, how long in-flight streams may take (default: the sidecar's, 20 s)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SidecarConfig:
+    """The config the command line names: a config file, or a pool of a policy. Raises ConfigError."""
+    if args.config:
+        return load_config(args.config)
+    if not args.pool:
+        raise ConfigError("--policy needs --pool")
+    from infermesh import paths
+
+    return config_from_policy(
+        args.policy, args.pool, models_dir=Path(args.models_dir) if args.models_dir else paths.models_dir(),
+        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, instance=args.instance,
+        drain_grace_s=args.drain_grace_s,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = config_from_args(build_parser().parse_args(argv))
+    except ConfigError as e:
+        print(f"infermesh-sidecar: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(run(config))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,292 @@
+"""The Helm chart: it lints, renders objects that the real Kubernetes / Istio / Prometheus
+Operator schemas accept (strictly), matches its golden files, and renders for a policy exactly
+what mesh-config's Istio generator produces for it (which tests in mesh-config/tests hold to the
+plain-Envoy routes). Typos in values and broken objects are rejected by name.
+
+Golden files: charts/tests/golden/SCENARIO.yaml. After an intended change, regenerate them with
+    INFERMESH_UPDATE_GOLDEN=1 ~/.cache/infermesh/venv/bin/python -m pytest charts/tests -k golden
+and review the diff.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CHART, HERE, NAMESPACE, RELEASE, REPO
+from kube_schema import SchemaError
+
+from infermesh.meshconfig import chart_values, istio
+from infermesh.meshconfig.policy import LOCAL_POLICY, Policy, load_policy, parse_policy
+from infermesh.sidecar.grpc_api import INFERENCE_SERVICE
+from infermesh.sidecar.metrics import SidecarMetrics
+from infermesh.sidecar.server import build_parser, config_from_args
+
+PRODUCTION_VALUES = CHART / "examples" / "production-values.yaml"
+PIN = HERE / "values" / "filter-pin.yaml"
+SCENARIOS = {
+    "default": [PIN],
+    "production": [PRODUCTION_VALUES],
+    "header-only": [PIN, HERE / "values" / "header-only.yaml"],
+}
+# Labels only the chart sets (Helm bookkeeping); everything else must equal istio.py's objects.
+CHART_ONLY_LABELS = {"app.kubernetes.io/version", "app.kubernetes.io/managed-by", "helm.sh/chart"}
+
+
+def merged_values(files: list[Path]) -> dict:
+    """The values Helm renders with: values.yaml, then each file merged in, map by map."""
+    def merge(base, over):
+        if isinstance(base, dict) and isinstance(over, dict):
+            return {k: merge(base[k], v) if k in base else v for k, v in over.items()} | {k: v for k, v in base.items() if k not in over}
+        return over
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for f in files:
+        values = merge(values, yaml.safe_load(f.read_text()))
+    return values
+
+
+def scenario_policy(values: dict) -> Policy:
+    if values["policy"]:
+        return Policy.model_validate(values["policy"])
+    return load_policy(CHART / "files" / "default-policy.yaml")
+
+
+def istio_options(values: dict) -> istio.IstioOptions:
+    f, ingress = values["filter"], values["ingress"]
+    return istio.IstioOptions(
+        wasm_url=f["url"], wasm_sha256=f["sha256"], name=RELEASE, namespace=NAMESPACE,
+        http_port=values["ports"]["http"], grpc_port=values["ports"]["grpc"], fail_strategy=f["failStrategy"],
+        filter_namespace=f["namespace"], filter_selector=f["selector"], attach_to=f["attachTo"],
+        gateways=(f"{NAMESPACE}/{RELEASE}",) if ingress["enabled"] else (), hosts=tuple(ingress["hosts"]),
+        image_pull_policy=f["imagePullPolicy"], image_pull_secret=f["imagePullSecret"],
+    )
+
+
+@pytest.fixture(scope="module", params=list(SCENARIOS))
+def scenario(request, helm):
+    files = SCENARIOS[request.param]
+    values = merged_values(files)
+    return request.param, files, values, helm.template(files)
+
+
+def test_lint(helm):
+    for files in SCENARIOS.values():
+        r = helm.run("lint", str(CHART), "--strict", "--kube-version", helm.kube_version, *[a for f in files for a in ("--values", str(f))])
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_object_passes_its_schema(scenario, schemas):
+    name, _, values, rendered = scenario
+    for obj in rendered.objects:
+        schemas.validate(obj)
+    kinds = sorted({o["kind"] for o in rendered.objects})
+    expected = {"ConfigMap", "Deployment", "Service", "DestinationRule", "VirtualService", "PodDisruptionBudget", "AuthorizationPolicy"}
+    assert expected <= set(kinds), kinds
+    if name == "production":  # everything on: the monitoring objects are checked too
+        assert {"ServiceMonitor", "PrometheusRule", "Gateway", "PeerAuthentication", "EnvoyFilter"} <= set(kinds)
+
+
+def test_golden(scenario):
+    name, _, _, rendered = scenario
+    golden = HERE / "golden" / f"{name}.yaml"
+    if os.environ.get("INFERMESH_UPDATE_GOLDEN"):
+        golden.write_text(rendered.text)
+    assert golden.exists(), f"no {golden.name}: regenerate with INFERMESH_UPDATE_GOLDEN=1 (see this file's docstring)"
+    assert rendered.text == golden.read_text(), f"{golden.name} differs from the render: review, then regenerate (see this file's docstring)"
+
+
+def _comparable(obj: dict) -> dict:
+    obj = copy.deepcopy(obj)
+    for k in CHART_ONLY_LABELS:
+        obj["metadata"]["labels"].pop(k, None)
+    if obj["kind"] == "EnvoyFilter":
+        # Go's JSON encoder escapes <, > and & in the filter config; compare it parsed.
+        cfg = obj["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]["config"]["configuration"]
+        cfg["value"] = json.loads(cfg["value"])
+    return obj
+
+
+def test_the_chart_renders_what_the_istio_generator_produces(scenario):
+    """Routes, pools and the filter: the chart and istio.py agree object for object."""
+    _, _, values, rendered = scenario
+    policy = scenario_policy(values)
+    expected = [_comparable(o) for o in istio.resources(policy, istio_options(values))]
+    kinds = {o["kind"] for o in expected}
+    front_and_pools = {o["metadata"]["name"] for o in expected if o["kind"] == "Service"}
+    got = [_comparable(o) for o in rendered.objects if o["kind"] in kinds and (o["kind"] != "Service" or o["metadata"]["name"] in front_and_pools)]
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    assert sorted(got, key=key) == sorted(expected, key=key)
+    # The pools are the policy's, nothing more or less.
+    assert {d["metadata"]["labels"]["infermesh.io/pool"] for d in rendered.of("Deployment")} == set(policy.pools)
+
+
+def test_the_configmap_carries_the_policy_itself(scenario):
+    _, _, values, rendered = scenario
+    cm = rendered.one("ConfigMap", f"{RELEASE}-policy")
+    assert parse_policy(cm["data"]["policy.yaml"]) == scenario_policy(values)
+
+
+def test_each_deployment_runs_its_pool_as_the_sidecar_reads_the_command_line(scenario, tmp_path):
+    _, _, values, rendered = scenario
+    policy = scenario_policy(values)
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(rendered.one("ConfigMap")["data"]["policy.yaml"])
+    drain = values["drain"]
+    for d in rendered.of("Deployment"):
+        pool = d["metadata"]["labels"]["infermesh.io/pool"]
+        pod = d["spec"]["template"]["spec"]
+        c = next(c for c in pod["containers"] if c["name"] == "sidecar")
+        assert c["command"] == ["python", "-m", "infermesh.sidecar.server"]
+        args = [a.replace("/etc/infermesh/policy.yaml", str(policy_file)).replace("$(POD_NAME)", f"{d['metadata']['name']}-0") for a in c["args"]]
+        cfg = config_from_args(build_parser().parse_args(args))
+        assert cfg.pool == pool and cfg.server.host == "0.0.0.0" and cfg.admin.host == "127.0.0.1"
+        assert (cfg.server.http_port, cfg.server.grpc_port) == (values["ports"]["http"], values["ports"]["grpc"])
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": cfg.server.http_port, "grpc": cfg.server.grpc_port}
+        # The pod outlives the sidecar's drain: preStop, then drain grace, then engine shutdown.
+        assert cfg.server.drain_grace_s == drain["graceSeconds"]
+        assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == drain["preStopSleepSeconds"]
+        assert pod["terminationGracePeriodSeconds"] == drain["preStopSleepSeconds"] + drain["graceSeconds"] + drain["shutdownMarginSeconds"]
+        proxy = json.loads(d["spec"]["template"]["metadata"]["annotations"]["proxy.istio.io/config"])
+        assert proxy == {"terminationDrainDuration": f"{drain['preStopSleepSeconds'] + drain['graceSeconds']}s"}
+        # Probes: grpc.health on the gRPC front (the service the sidecar reports; "" for liveness).
+        for probe in ("startupProbe", "readinessProbe"):
+            assert c[probe]["grpc"] == {"port": cfg.server.grpc_port, "service": INFERENCE_SERVICE}
+        assert c["livenessProbe"]["grpc"] == {"port": cfg.server.grpc_port}
+        assert d["spec"]["replicas"] == policy.pools[pool].replicas
+        local = any(m.path is None for m in policy.pools[pool].models)
+        assert [i["name"] for i in pod.get("initContainers", [])] == (["models"] if local else [])
+
+
+def test_gpu_pools_get_their_gpus_nodes_and_tolerations(helm):
+    values = merged_values(SCENARIOS["production"])
+    rendered = helm.template(SCENARIOS["production"])
+    for pool, spec in scenario_policy(values).pools.items():
+        pod = rendered.one("Deployment", f"{RELEASE}-{pool}")["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == spec.gpu.count > 0
+        assert pod["nodeSelector"] == values["gpuNodeSelectors"][spec.gpu.type]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    # A CPU pool asks for no GPU and tolerates nothing; a pool's own settings add to its GPU's.
+    cpu = helm.template(SCENARIOS["default"]).one("Deployment", f"{RELEASE}-batch")["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in cpu["containers"][0]["resources"].get("limits", {})
+    assert "nodeSelector" not in cpu and "tolerations" not in cpu
+    fast = helm.template(SCENARIOS["header-only"]).one("Deployment", f"{RELEASE}-fast")["spec"]["template"]["spec"]
+    assert fast["nodeSelector"] == {"topology.kubernetes.io/zone": "us-east-1a", "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
+    assert [t["key"] for t in fast["tolerations"]] == ["nvidia.com/gpu", "dedicated"]
+
+
+def test_filter_form_follows_the_rules(helm):
+    # The local policy has a body rule (chat-bulk): the EnvoyFilter form, in the gateway.
+    ef = helm.template(SCENARIOS["default"]).one("EnvoyFilter")
+    assert ef["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]["config"]["allow_on_headers_stop_iteration"] is True
+    header_only = helm.template(SCENARIOS["header-only"])
+    assert not header_only.of("EnvoyFilter")
+    wp = header_only.one("WasmPlugin")
+    assert wp["metadata"]["namespace"] == "apps" and wp["spec"]["match"] == [{"mode": "CLIENT"}]
+    assert wp["spec"]["failStrategy"] == "FAIL_CLOSE" and wp["spec"]["imagePullSecret"] == "registry-credentials"
+    assert not header_only.of("Gateway") and len(header_only.of("VirtualService")) == 1
+
+
+def test_secure_by_default(helm):
+    rendered = helm.template(SCENARIOS["default"])
+    pa = rendered.one("PeerAuthentication")
+    assert pa["spec"]["mtls"] == {"mode": "STRICT"}
+    az = rendered.one("AuthorizationPolicy")
+    assert az["spec"]["action"] == "ALLOW"
+    (rule,) = az["spec"]["rules"]
+    assert rule["from"] == [{"source": {"principals": ["cluster.local/ns/istio-ingress/sa/istio-ingress"]}}]
+    assert rule["to"] == [{"operation": {"ports": ["8000", "50051"]}}]
+    sidecar_pods = {"app.kubernetes.io/component": "sidecar"}
+    assert sidecar_pods.items() <= pa["spec"]["selector"]["matchLabels"].items()
+    assert sidecar_pods.items() <= az["spec"]["selector"]["matchLabels"].items()
+    # Only the serving fronts are ports of a container or a Service; the admin API has none.
+    for d in rendered.of("Deployment"):
+        assert [p["name"] for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]] == ["http", "grpc"]
+    for s in rendered.of("Service"):
+        assert [p["name"] for p in s["spec"]["ports"]] == ["http", "grpc"]
+    # No principals at all: the rule goes, and with namespaces only those remain allowed.
+    ns_only = helm.template(SCENARIOS["header-only"]).one("AuthorizationPolicy")
+    assert ns_only["spec"]["rules"] == [{"from": [{"source": {"namespaces": ["apps"]}}], "to": [{"operation": {"ports": ["8000", "50051"]}}]}]
+
+
+def test_alerts_watch_metrics_the_sidecar_exports(helm):
+    rule = helm.template(SCENARIOS["production"]).one("PrometheusRule")
+    exported = {m.name for m in SidecarMetrics("p", "0").registry.collect()}
+    # prometheus_client names counters without _total and serves them with it.
+    exported |= {n + "_total" for n in exported}
+    rules = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    assert {"InfermeshPoolDegraded", "InfermeshKVCacheHigh", "InfermeshModelColdStartSlow", "InfermeshShedRateHigh"} <= set(rules)
+    for r in rules.values():
+        used = set(re.findall(r"\binfermesh_[a-z_]+", r["expr"]))
+        assert used and used <= exported, f"{r['alert']}: {sorted(used - exported)} are not sidecar metrics"
+    assert rules["InfermeshModelColdStartSlow"]["expr"].endswith("> 0.8")
+
+
+def test_values_schema_is_generated_from_the_policy_model():
+    assert (CHART / "values.schema.json").read_text() == chart_values.render(), \
+        "regenerate: python -m infermesh.meshconfig.chart_values > charts/infermesh/values.schema.json"
+
+
+def test_bundled_and_example_policies_are_the_repositorys():
+    assert (CHART / "files" / "default-policy.yaml").read_text() == LOCAL_POLICY.read_text(), "copy mesh-config/policies/local.yaml"
+    example = yaml.safe_load(PRODUCTION_VALUES.read_text())["policy"]
+    assert Policy.model_validate(example) == load_policy(REPO / "mesh-config" / "policies" / "production.yaml")
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("ingres.enabled=true", "additional properties 'ingres' not allowed"),
+    ("policy.pools.h100.replica=2", "at '/policy/pools/h100': additional properties 'replica' not allowed"),
+    ("filter.failStrategy=FAIL_SOMETIMES", "at '/filter/failStrategy'"),
+    ("filter.sha256=deadbeef", "at '/filter/sha256'"),
+    ("policy.pools.Big_Pool.replicas=1", "at '/policy/pools': additional properties 'Big_Pool' not allowed"),
+    ("trafficPolicy.outlierDetection.consecutive5xx=3", "'consecutive5xx' not allowed"),
+])
+def test_values_typos_are_rejected_by_the_schema(helm, setting, message):
+    assert message in helm.template_error([PRODUCTION_VALUES], [setting])
+
+
+@pytest.mark.parametrize("values, setting, message", [
+    ([PRODUCTION_VALUES], 'policy.classes.batch.pool="a10"', 'policy.classes.batch.pool: "a10" is not one of the pools [h100 l4]'),
+    ([PRODUCTION_VALUES], 'policy.default_class="nope"', 'policy.default_class: "nope" is not one of the classes [batch eval interactive premium]'),
+    ([PRODUCTION_VALUES], 'policy.rules[0].class="vip"', 'policy.rules.0.class: "vip" is not one of the classes'),
+    ([PRODUCTION_VALUES], 'pools.a10={"nodeSelector": {"x": "y"}}', "pools.a10: not a pool of the policy [h100 l4]"),
+    ([PRODUCTION_VALUES], "policy.pools.h100.breakers.cpu.recover_below=0.99",
+     "policy.pools.h100.breakers.cpu.recover_below: 0.99 must not be above trip_above (0.95)"),
+    ([PRODUCTION_VALUES], 'policy.pools.h100.when_degraded={"spill_to": "h100"}', 'policy.pools.h100.when_degraded.spill_to: "h100" must be another of the pools'),
+    ([], None, "filter.url: required"),
+    ([], 'filter.url="oci://r.example/f:1"', "filter.sha256: required"),
+])
+def test_cross_references_and_required_settings_fail_by_name(helm, values, setting, message):
+    assert message in helm.template_error(values, set_json=[setting] if setting else [])
+
+
+@pytest.mark.parametrize("kind, break_it, field", [
+    ("Deployment", lambda o: o["spec"].update(replica=2), "spec: Additional properties are not allowed ('replica'"),
+    ("Deployment", lambda o: o["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(containerPort="http"),
+     "spec.template.spec.containers.0.ports.0.containerPort: 'http' is not of type 'integer'"),
+    ("Service", lambda o: o["spec"]["ports"][0].pop("port"), "spec.ports.0: 'port' is a required property"),
+    ("VirtualService", lambda o: o["spec"]["http"][0]["route"][0]["destination"].update(hots="x"), "spec.http.0.route.0.destination"),
+    ("DestinationRule", lambda o: o["spec"]["trafficPolicy"]["outlierDetection"].update(consecutive5xxErrors="five"),
+     "spec.trafficPolicy.outlierDetection.consecutive5xxErrors"),
+    ("EnvoyFilter", lambda o: o["spec"]["configPatches"][1].update(applyTo="HTTP_FILTERS"), "spec.configPatches.1.applyTo"),
+    ("PrometheusRule", lambda o: o["metadata"].update(labelz={}), "metadata: Additional properties are not allowed ('labelz'"),
+    ("ServiceMonitor", lambda o: o["spec"]["endpoints"][0].update(intervl="5s"), "spec.endpoints.0"),
+])
+def test_a_broken_object_fails_its_schema(helm, schemas, kind, break_it, field):
+    obj = helm.template(SCENARIOS["production"]).of(kind)[0]
+    schemas.validate(obj)
+    break_it(obj)
+    with pytest.raises(SchemaError) as e:
+        schemas.validate(obj)
+    assert field in str(e.value)
+
+
+def test_an_unknown_kind_has_no_schema(schemas):
+    with pytest.raises(SchemaError, match="no schema for networking.istio.io/v1 VirtualServce"):
+        schemas.validate({"apiVersion": "networking.istio.io/v1", "kind": "VirtualServce", "metadata": {"name": "x"}})

@@ -1,0 +1,231 @@
+"""The Helm chart's values.schema.json (charts/infermesh), generated.
+
+Its `policy` part comes from the policy model itself (`Policy.model_json_schema()`), so the chart
+accepts what `infermesh policy check` accepts, with three things a pydantic schema cannot say:
+rules are spelled out as the filter reads them (docs/filter.md), pool names must be DNS labels
+(they become Service names), and every map of names rejects names that do not fit. The rest
+describes the chart's own settings. Every object rejects unknown keys (`additionalProperties:
+false`), so a typo in values fails `helm install` instead of being ignored.
+
+    python -m infermesh.meshconfig.chart_values > charts/infermesh/values.schema.json
+
+A test keeps the committed file equal to this output.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from typing import Any
+
+from .policy import Policy
+
+DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+K8S_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+
+
+def obj(properties: dict[str, Any], required: tuple[str, ...] = (), description: str | None = None) -> dict:
+    """A closed object: only these properties."""
+    out: dict[str, Any] = {"type": "object", "additionalProperties": False, "properties": properties}
+    if required:
+        out["required"] = list(required)
+    if description:
+        out["description"] = description
+    return out
+
+
+def string_map(description: str | None = None) -> dict:
+    out: dict[str, Any] = {"type": "object", "additionalProperties": {"type": "string"}}
+    return out | ({"description": description} if description else {})
+
+
+# Free-form Kubernetes objects the chart passes through unchanged (the API server validates them).
+K8S_PASSTHROUGH = {"type": "object"}
+
+_STRING_MATCH = {
+    "type": "object", "additionalProperties": False, "minProperties": 1, "maxProperties": 1,
+    "properties": {"exact": {"type": "string"}, "prefix": {"type": "string"}, "regex": {"type": "string"}},
+}
+_RANGE = {
+    "type": "object", "additionalProperties": False, "minProperties": 1,
+    "properties": {"min": {"type": "integer", "minimum": 0}, "max": {"type": "integer", "minimum": 0}},
+}
+_HEADER_MATCH = {
+    "type": "object", "additionalProperties": False, "required": ["name"], "maxProperties": 2,
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z0-9!#$%&'*+.^_`|~-]+$", "description": "lower case"},
+        "exact": {"type": "string"}, "prefix": {"type": "string"}, "regex": {"type": "string"},
+        "present": {"type": "boolean", "description": "false: the header must be absent"},
+    },
+}
+RULE_SCHEMA = obj(
+    {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$", "not": {"enum": ["default", "trusted"]}},
+        "class": {"type": "string"},
+        "match": obj({
+            "methods": {"type": "array", "items": {"type": "string", "minLength": 1}},
+            "path": _STRING_MATCH,
+            "headers": {"type": "array", "items": _HEADER_MATCH},
+            "body": obj({
+                "stream": {"type": "boolean"},
+                "max_tokens": _RANGE, "n": _RANGE, "message_count": _RANGE, "prompt_chars": _RANGE,
+                "model": _STRING_MATCH, "priority": _STRING_MATCH, "service_tier": _STRING_MATCH,
+            }),
+        }),
+    },
+    required=("name", "class"),
+    description="A filter rule (docs/filter.md): the first whose conditions all hold decides the class.",
+)
+
+
+def _tidy(node: Any) -> Any:
+    """Drop pydantic's generated titles; close maps of names to names that fit their pattern."""
+    if isinstance(node, dict):
+        out = {k: _tidy(v) for k, v in node.items() if k != "title" or not isinstance(v, str)}
+        if "patternProperties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(node, list):
+        return [_tidy(v) for v in node]
+    return node
+
+
+def policy_schema() -> tuple[dict, dict]:
+    """(the schema of `policy`, the definitions it refers to as #/$defs/NAME)."""
+    s = _tidy(Policy.model_json_schema())
+    defs = s.pop("$defs")
+    s["properties"]["rules"] = {"type": "array", "items": RULE_SCHEMA, "default": []}
+    pools = s["properties"]["pools"]
+    (pattern, pool_ref), = pools["patternProperties"].items()
+    pools["patternProperties"] = {DNS_LABEL: pool_ref}
+    pools["description"] = "The GPU pools; a pool name becomes a Service name (lower-case letters, digits, '-')."
+    s["description"] = "The mesh policy (mesh-config/policies/*.yaml; `infermesh policy check` validates a file of it)."
+    return s, defs
+
+
+def chart_schema(policy: dict) -> dict:
+    """The chart's own values, around the policy's schema."""
+    port = {"type": "integer", "minimum": 1, "maximum": 65535}
+    positive = {"type": "integer", "minimum": 1}
+    duration = {"type": "string", "pattern": r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "infermesh chart values",
+        **obj({
+            # if/then rather than anyOf: an error in a given policy is reported as itself.
+            "policy": {"type": "object", "description": "empty: the chart's files/default-policy.yaml",
+                       "if": {"minProperties": 1}, "then": policy},
+            "image": obj({
+                "repository": {"type": "string", "minLength": 1},
+                "tag": {"type": "string", "description": "default: the chart's appVersion"},
+                "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+            }, required=("repository",)),
+            "imagePullSecrets": {"type": "array", "items": obj({"name": {"type": "string", "minLength": 1}}, required=("name",))},
+            "ports": obj({"http": port, "grpc": port}, required=("http", "grpc")),
+            "filter": obj({
+                "url": {"type": "string", "pattern": "^$|^(oci|https?|file)://.+",
+                        "description": "required: oci://REGISTRY/REPO:TAG, https://…/infermesh_filter.wasm or file://…"},
+                "sha256": {"type": "string", "pattern": "^$|^[a-f0-9]{64}$",
+                           "description": "required: hex SHA-256 of the module (the image digest for oci://)"},
+                "failStrategy": {"enum": ["FAIL_OPEN", "FAIL_CLOSE"]},
+                "imagePullPolicy": {"enum": ["IfNotPresent", "Always"]},
+                "imagePullSecret": {"type": "string"},
+                "attachTo": {"enum": ["gateway", "sidecar"]},
+                "namespace": {"type": "string", "pattern": DNS_LABEL},
+                "selector": string_map("labels of the pods the filter runs in"),
+            }, required=("url", "sha256", "attachTo", "namespace", "selector")),
+            "ingress": obj({
+                "enabled": {"type": "boolean"},
+                "selector": string_map("labels of the ingress gateway pods"),
+                "hosts": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                "port": port,
+                "tlsCredentialName": {"type": "string"},
+            }, required=("enabled",)),
+            "trafficPolicy": obj({
+                "connectionPool": obj({
+                    "tcp": obj({"maxConnections": positive, "connectTimeout": duration}),
+                    "http": obj({"http1MaxPendingRequests": positive, "http2MaxRequests": positive,
+                                 "maxRetries": {"type": "integer", "minimum": 0}}),
+                }),
+                "outlierDetection": obj({
+                    "splitExternalLocalOriginErrors": {"type": "boolean"},
+                    "consecutiveLocalOriginFailures": positive,
+                    "consecutive5xxErrors": {"type": "integer", "minimum": 0,
+                                             "description": "keep 0: a sidecar answering 503 is shedding on purpose"},
+                    "interval": duration,
+                    "baseEjectionTime": duration,
+                    "maxEjectionPercent": {"type": "integer", "minimum": 0, "maximum": 100},
+                }),
+            }),
+            "security": obj({
+                "peerAuthentication": {"type": "boolean", "description": "STRICT mTLS for the pools"},
+                "allowedPrincipals": {"type": "array", "items": {"type": "string", "pattern": "^[^/]+/ns/[^/]+/sa/[^/]+$"},
+                                      "description": "SPIFFE ids without spiffe://, e.g. cluster.local/ns/istio-ingress/sa/istio-ingress"},
+                "allowedNamespaces": {"type": "array", "items": {"type": "string", "pattern": DNS_LABEL}},
+            }),
+            "drain": obj({
+                "graceSeconds": {"type": "integer", "minimum": 0, "maximum": 3600},
+                "preStopSleepSeconds": {"type": "integer", "minimum": 0, "maximum": 300},
+                "shutdownMarginSeconds": {"type": "integer", "minimum": 0, "maximum": 600},
+            }, required=("graceSeconds", "preStopSleepSeconds", "shutdownMarginSeconds")),
+            "probes": obj({
+                kind: obj({"periodSeconds": positive, "failureThreshold": positive}, required=("periodSeconds", "failureThreshold"))
+                for kind in ("startup", "readiness", "liveness")
+            }),
+            "models": obj({
+                "mountPath": {"type": "string", "pattern": "^/"},
+                "volume": {"type": "object", "maxProperties": 1,
+                           "description": "one Kubernetes volume source (persistentVolumeClaim, …); empty: an emptyDir"},
+            }, required=("mountPath", "volume")),
+            "gpuNodeSelectors": {"type": "object", "additionalProperties": string_map(),
+                                 "description": "GPU type (policy pools.<name>.gpu.type) -> node labels"},
+            "gpuTolerations": {"type": "array", "items": K8S_PASSTHROUGH},
+            "poolDefaults": _pool_settings(),
+            "pools": {"type": "object", "propertyNames": {"pattern": DNS_LABEL}, "additionalProperties": _pool_settings(),
+                      "description": "per pool of the policy: overrides of poolDefaults"},
+            "podDisruptionBudget": obj({"enabled": {"type": "boolean"}, "maxUnavailable": positive}),
+            "metrics": obj({
+                "serviceMonitor": obj({"enabled": {"type": "boolean"}, "interval": duration, "labels": string_map()}),
+                "prometheusRule": obj({
+                    "enabled": {"type": "boolean"},
+                    "labels": string_map(),
+                    "coldStartSeconds": {"type": "number", "exclusiveMinimum": 0},
+                    "kvCacheUsage": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                    "shedRatio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                    "degradedFor": duration,
+                }),
+            }),
+        }, required=("image", "ports", "filter")),
+    }
+
+
+def _pool_settings() -> dict:
+    return obj({
+        "resources": obj({"requests": string_or_number_map(), "limits": string_or_number_map()}),
+        "nodeSelector": string_map(),
+        "tolerations": {"type": "array", "items": K8S_PASSTHROUGH},
+        "affinity": K8S_PASSTHROUGH,
+        "podAnnotations": string_map(),
+        "extraEnv": {"type": "array", "items": K8S_PASSTHROUGH},
+    })
+
+
+def string_or_number_map() -> dict:
+    return {"type": "object", "additionalProperties": {"type": ["string", "number"]}}
+
+
+def values_schema() -> dict:
+    """The whole values.schema.json."""
+    policy, defs = policy_schema()
+    out = chart_schema(policy)
+    out["$defs"] = copy.deepcopy(defs)
+    return out
+
+
+def render() -> str:
+    return json.dumps(values_schema(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

@@ -1,0 +1,244 @@
+"""The Istio resources of a policy: the same routing and pool protection as the plain-Envoy
+resources of envoy_bootstrap, the filter in the form its rules need, and errors that name the
+field. (charts/tests checks that the Helm chart renders exactly these objects.)"""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from infermesh import paths
+from infermesh.meshconfig import istio
+from infermesh.meshconfig.envoy_bootstrap import POOL_HEADER, REQUEST_BUFFER_LIMIT_BYTES, bootstrap, route_config
+from infermesh.meshconfig.local_mesh import LocalMeshPlan
+from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy, parse_policy
+
+PRODUCTION = LOCAL_POLICY.parent / "production.yaml"
+SHA = "ab" * 32
+OPTS = istio.IstioOptions(wasm_url="oci://registry.example.com/infermesh/filter:0.1.0", wasm_sha256=SHA)
+
+HEADER_ONLY = """
+version: 1
+default_class: bulk
+classes:
+  chat: {pool: fast}
+  bulk: {pool: slow, sheddable: true}
+rules:
+  - {name: vip, class: chat, match: {headers: [{name: x-priority, exact: high}]}}
+  - {name: chat, class: chat, match: {methods: [POST], path: {prefix: /v1/chat/completions}}}
+pools:
+  fast: {models: [{name: big}]}
+  slow: {models: [{name: small}]}
+"""
+
+
+def _plain_decisions(policy):
+    """(route name, pool header value or None, gRPC?, pool) of the plain-Envoy route table."""
+    m = LocalMeshPlan(policy=policy).listener(Path("/x.wasm"))
+    out = []
+    for r in route_config(m)["virtual_hosts"][0]["routes"]:
+        headers = {h["name"]: h["string_match"] for h in r["match"].get("headers", [])}
+        cluster = r["route"]["cluster"]
+        grpc = cluster.endswith("_grpc")
+        pool = cluster.removeprefix("pool_").removesuffix("_grpc")
+        assert ("content-type" in headers) == grpc, r
+        out.append((r["name"], headers.get(POOL_HEADER, {}).get("exact"), grpc, pool))
+    return out
+
+
+def _istio_decisions(policy, opts=OPTS):
+    """The same tuple for the VirtualService's routes."""
+    by_host = {opts.fqdn(istio.pool_service_name(opts, p)): p for p in policy.pools}
+    out = []
+    for r in istio.http_routes(policy, opts):
+        headers = r["match"][0]["headers"] if "match" in r else {}
+        dest = r["route"][0]["destination"]
+        grpc = "content-type" in headers
+        assert dest["port"]["number"] == (opts.grpc_port if grpc else opts.http_port), r
+        out.append((r["name"], headers.get(POOL_HEADER, {}).get("exact"), grpc, by_host[dest["host"]]))
+    return out
+
+
+@pytest.mark.parametrize("policy", [load_policy(LOCAL_POLICY), load_policy(PRODUCTION), parse_policy(HEADER_ONLY)],
+                         ids=["local", "production", "header-only"])
+def test_the_same_request_goes_to_the_same_pool_as_in_plain_envoy(policy):
+    plain, mesh = _plain_decisions(policy), _istio_decisions(policy)
+    # Per-pool routes match disjoint header values, so only the default's place (last) and each
+    # gRPC twin's place (before its HTTP route) matter; the sets must be equal.
+    assert sorted(mesh) == sorted(plain)
+    assert mesh[-2:] == plain[-2:] == [("default-pool-grpc", None, True, policy.default_pool),
+                                       ("default-pool", None, False, policy.default_pool)]
+    for decisions in (plain, mesh):
+        for i, (name, header, grpc, pool) in enumerate(decisions):
+            if grpc:
+                assert decisions[i + 1] == (name.removesuffix("-grpc"), header, False, pool)
+    assert {h for _, h, _, _ in mesh if h} == set(policy.pools)
+
+
+def test_pool_limits_and_outlier_detection_are_those_of_the_plain_envoy_clusters():
+    policy = load_policy(PRODUCTION)
+    b = bootstrap(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")))
+    route = route_config(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"][0]
+    for dr in istio.destination_rules(policy, OPTS):
+        pool = dr["metadata"]["labels"]["infermesh.io/pool"]
+        c = next(c for c in b["static_resources"]["clusters"] if c["name"] == f"pool_{pool}")
+        t = c["circuit_breakers"]["thresholds"][0]
+        od = c["outlier_detection"]
+        tp = dr["spec"]["trafficPolicy"]
+        assert dr["spec"]["host"] == f"infermesh-{pool}.infermesh.svc.cluster.local"
+        assert tp["connectionPool"] == {
+            "tcp": {"maxConnections": t["max_connections"], "connectTimeout": c["connect_timeout"]},
+            "http": {"http1MaxPendingRequests": t["max_pending_requests"], "http2MaxRequests": t["max_requests"],
+                     "maxRetries": t["max_retries"]},
+        }
+        # Shedding (429/503) is never a fault: 5xx and gateway-error ejection are off in both.
+        assert od["enforcing_consecutive_5xx"] == 0 and od["enforcing_consecutive_gateway_failure"] == 0
+        assert tp["outlierDetection"] == {
+            "splitExternalLocalOriginErrors": od["split_external_local_origin_errors"],
+            "consecutiveLocalOriginFailures": od["consecutive_local_origin_failure"],
+            "consecutive5xxErrors": 0,
+            "interval": od["interval"],
+            "baseEjectionTime": od["base_ejection_time"],
+            "maxEjectionPercent": od["max_ejection_percent"],
+        }
+    # Retries: the same conditions, never on a response.
+    retry = route["route"]["retry_policy"]
+    for r in istio.http_routes(policy, OPTS):
+        assert r["retries"] == {"attempts": retry["num_retries"], "retryOn": retry["retry_on"]}
+        assert r["timeout"] == route["route"]["timeout"] == "0s"
+
+
+def test_services_per_pool_with_both_fronts_and_a_front_service_on_the_default_pool():
+    policy = load_policy(PRODUCTION)
+    svcs = {s["metadata"]["name"]: s for s in istio.services(policy, OPTS)}
+    assert set(svcs) == {"infermesh", "infermesh-h100", "infermesh-l4"}
+    for name in ("infermesh-h100", "infermesh-l4"):
+        ports = {p["name"]: (p["port"], p["appProtocol"]) for p in svcs[name]["spec"]["ports"]}
+        assert ports == {"http": (8000, "http"), "grpc": (50051, "grpc")}
+        assert svcs[name]["spec"]["selector"]["infermesh.io/pool"] == name.removeprefix("infermesh-")
+    assert svcs["infermesh"]["spec"]["selector"]["infermesh.io/pool"] == policy.default_pool == "l4"
+
+
+def test_header_only_rules_give_a_wasm_plugin_with_the_policy_filter_config():
+    policy = parse_policy(HEADER_ONLY)
+    assert not istio.needs_body(policy)
+    wp = istio.filter_object(policy, OPTS)
+    assert wp["kind"] == "WasmPlugin" and wp["metadata"]["namespace"] == "istio-ingress"
+    spec = wp["spec"]
+    assert spec["pluginConfig"] == policy.filter_config()
+    assert (spec["url"], spec["sha256"], spec["failStrategy"]) == (OPTS.wasm_url, SHA, "FAIL_OPEN")
+    assert spec["selector"] == {"matchLabels": {"istio": "ingress"}}
+    assert "match" not in spec  # a gateway: all its traffic
+    sidecar = istio.wasm_plugin(policy, istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, attach_to="sidecar"))
+    assert sidecar["spec"]["match"] == [{"mode": "CLIENT"}]
+
+
+def test_body_rules_give_an_envoy_filter_that_can_pause_for_the_body():
+    policy = load_policy(PRODUCTION)
+    assert istio.needs_body(policy)
+    ef = istio.filter_object(policy, OPTS)
+    assert ef["kind"] == "EnvoyFilter"
+    patches = ef["spec"]["configPatches"]
+    assert [p["applyTo"] for p in patches[:2]] == ["EXTENSION_CONFIG", "HTTP_FILTER"]
+    cfg = patches[0]["patch"]["value"]["typed_config"]["config"]
+    assert cfg["allow_on_headers_stop_iteration"] is True
+    assert json.loads(cfg["configuration"]["value"]) == policy.filter_config()
+    assert cfg["vm_config"]["code"]["remote"] == {"http_uri": {"uri": OPTS.wasm_url, "timeout": "30s"}, "sha256": SHA}
+    # The filter goes right before the router and points at the extension config by name.
+    insert = patches[1]
+    assert insert["match"]["context"] == "GATEWAY"
+    assert insert["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == "envoy.filters.http.router"
+    assert insert["patch"]["value"]["name"] == patches[0]["patch"]["value"]["name"]
+    # Every route of the VirtualService can buffer a body as in plain Envoy.
+    buffered = {p["match"]["routeConfiguration"]["vhost"]["route"]["name"]: p["patch"]["value"] for p in patches[2:]}
+    assert buffered == {r["name"]: {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES} for r in istio.http_routes(policy, OPTS)}
+
+
+def test_fail_close_maps_to_envoys_fail_closed():
+    opts = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, fail_strategy="FAIL_CLOSE")
+    assert istio.wasm_filter_config(load_policy(PRODUCTION), opts)["config"]["failure_policy"] == "FAIL_CLOSED"
+    assert istio.wasm_plugin(parse_policy(HEADER_ONLY), opts)["spec"]["failStrategy"] == "FAIL_CLOSE"
+
+
+def test_ingress_virtual_service_carries_the_same_routes_on_the_gateways():
+    policy = load_policy(PRODUCTION)
+    opts = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, gateways=("infermesh/infermesh",), hosts=("llm.example.com",))
+    mesh, ingress = istio.virtual_services(policy, opts)
+    assert mesh["spec"]["gateways"] == ["mesh"] and mesh["spec"]["hosts"] == ["infermesh.infermesh.svc.cluster.local"]
+    assert ingress["spec"]["gateways"] == ["infermesh/infermesh"] and ingress["spec"]["hosts"] == ["llm.example.com"]
+    assert ingress["spec"]["http"] == mesh["spec"]["http"]
+    assert len(istio.virtual_services(policy, OPTS)) == 1  # no gateways, no ingress object
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda t: t.replace("fast:", "Fast_1:").replace("pool: fast", "pool: Fast_1"), "pools.Fast_1:"),
+    (lambda t: t.replace("fast:", "f" * 60 + ":").replace("pool: fast", "pool: " + "f" * 60), "longer than 63"),
+])
+def test_a_pool_name_kubernetes_cannot_take_is_refused_by_name(change, field):
+    policy = parse_policy(change(HEADER_ONLY))
+    with pytest.raises(istio.IstioConfigError, match=field):
+        istio.resources(policy, OPTS)
+
+
+@pytest.mark.parametrize("opts, field", [
+    (istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256="ABC"), "wasm_sha256"),
+    (istio.IstioOptions(wasm_url="registry.example.com/f:1", wasm_sha256=SHA), "wasm_url"),
+])
+def test_an_unpinned_or_schemeless_module_is_refused(opts, field):
+    with pytest.raises(istio.IstioConfigError, match=field):
+        istio.resources(parse_policy(HEADER_ONLY), opts)
+
+
+def test_real_envoy_accepts_the_envoy_filters_wasm_config(tmp_path):
+    """The EnvoyFilter's patch values are free-form to Istio's schema; Envoy itself checks them.
+
+    As the Istio agent does, the remote code becomes a local file; the extension config is then
+    an HTTP filter of a listener, with the route buffer limit the HTTP_ROUTE patches merge.
+    """
+    policy = load_policy(PRODUCTION)
+    patches = istio.envoy_filter(policy, OPTS)["spec"]["configPatches"]
+    ext = json.loads(json.dumps(patches[0]["patch"]["value"]))
+    ext["typed_config"]["config"]["vm_config"]["code"] = {"local": {"filename": str(paths.filter_wasm())}}
+    route_patch = patches[2]["patch"]["value"]
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "t",
+        "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
+            {"name": "r", "match": {"prefix": "/"}, "direct_response": {"status": 200}, **route_patch}]}]},
+        "http_filters": [ext, {"name": "envoy.filters.http.router",
+                               "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+    }
+    cfg = {"static_resources": {"listeners": [{
+        "name": "l", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]}]}}
+    path = tmp_path / "envoy.json"
+    path.write_text(json.dumps(cfg))
+    r = subprocess.run([str(paths.envoy_binary()), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_render_yaml_is_every_object_once(tmp_path):
+    import yaml
+
+    docs = list(yaml.safe_load_all(istio.render_yaml(load_policy(PRODUCTION), OPTS)))
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["Service"] * 3 + ["DestinationRule"] * 2 + ["VirtualService", "EnvoyFilter"]
+    wasm = tmp_path / "f.wasm"
+    wasm.write_bytes(b"\0asm")
+    assert istio.module_sha256(wasm) == "cd5d4935a48c0672cb06407bb443bc0087aff947c6b864bac886982c73b3027f"
+
+
+def test_cli_renders_the_istio_objects(capsys):
+    import yaml
+
+    from infermesh.cli import main
+
+    assert main(["policy", "render", str(PRODUCTION), "istio", "--wasm-url", OPTS.wasm_url, "--wasm-sha256", SHA,
+                 "--namespace", "llm"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"] != "EnvoyFilter"} == {"llm"}
+    assert docs == istio.resources(load_policy(PRODUCTION), istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, namespace="llm"))
+    assert main(["policy", "render", str(PRODUCTION), "istio", "--wasm-url", OPTS.wasm_url, "--wasm-sha256", "x"]) == 2
+    assert "wasm_sha256: 64 lower-case hex digits" in capsys.readouterr().err

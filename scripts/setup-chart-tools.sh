@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Tools the chart tests need, from the Go module proxy only (no release downloads):
+#   - Helm, built with `go install helm.sh/helm/v3/cmd/helm@VERSION`;
+#   - the schemas every rendered object is validated against: Kubernetes' OpenAPI v3 spec
+#     (module k8s.io/kubernetes, api/openapi-spec/v3), Istio's CRDs (module istio.io/api,
+#     kubernetes/customresourcedefinitions.gen.yaml) and the ServiceMonitor / PrometheusRule
+#     CRDs (module github.com/prometheus-operator/prometheus-operator, example/prometheus-operator-crd).
+#
+# Idempotent: everything lands in $INFERMESH_HOME (default ~/.cache/infermesh) under names that
+# carry the versions, so a second run only checks that the files are there.
+#
+#   scripts/setup-chart-tools.sh     install what is missing; prints HELM=… and SCHEMAS=… last
+set -euo pipefail
+
+HELM_VERSION=v3.22.0
+K8S_VERSION=v1.34.4
+ISTIO_API_VERSION=v1.32.0
+# The newest version of the operator's root module that the Go module proxy serves.
+PROM_OPERATOR_VERSION=v0.85.0
+
+HOME_DIR="${INFERMESH_HOME:-$HOME/.cache/infermesh}"
+HELM="$HOME_DIR/bin/helm-$HELM_VERSION"
+SCHEMAS="$HOME_DIR/chart-schemas/k8s-$K8S_VERSION-istio-$ISTIO_API_VERSION-prom-$PROM_OPERATOR_VERSION"
+say() { echo "setup-chart-tools: $*" >&2; }
+
+command -v go >/dev/null || { say "Go is required (it builds Helm and fetches the schema modules)"; exit 1; }
+# -mod=mod: `go mod download` outside a module; GOTOOLCHAIN=local: never fetch another Go.
+export GOFLAGS=-mod=mod GOTOOLCHAIN=local
+
+# Prints the directory of a downloaded module.
+module_dir() {
+  local json
+  json="$(go mod download -json "$1")" || { say "cannot download $1: $json"; exit 1; }
+  printf '%s\n' "$json" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p'
+}
+
+if [ ! -x "$HELM" ]; then
+  t0=$SECONDS
+  say "building Helm $HELM_VERSION from the Go module proxy (a few minutes on 2 cores)"
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' EXIT
+  # Helm reports the version set here (otherwise `helm version` says "+unreleased").
+  GOBIN="$tmp" go install -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  mkdir -p "$HOME_DIR/bin"
+  mv "$tmp/helm" "$HELM"
+  say "Helm ready in $((SECONDS - t0))s"
+fi
+
+if [ ! -f "$SCHEMAS/.complete" ]; then
+  t0=$SECONDS
+  say "fetching the Kubernetes, Istio and prometheus-operator schemas into $SCHEMAS"
+  rm -rf "$SCHEMAS"
+  mkdir -p "$SCHEMAS/kubernetes" "$SCHEMAS/crds"
+  k8s="$(module_dir "k8s.io/kubernetes@$K8S_VERSION")"
+  istio="$(module_dir "istio.io/api@$ISTIO_API_VERSION")"
+  prom="$(module_dir "github.com/prometheus-operator/prometheus-operator@$PROM_OPERATOR_VERSION")"
+  cp "$k8s"/api/openapi-spec/v3/*.json "$SCHEMAS/kubernetes/"
+  cp "$istio/kubernetes/customresourcedefinitions.gen.yaml" "$SCHEMAS/crds/istio.yaml"
+  for kind in servicemonitors prometheusrules; do
+    cp "$prom/example/prometheus-operator-crd/monitoring.coreos.com_$kind.yaml" "$SCHEMAS/crds/"
+  done
+  # The module cache keeps its files read-only; the copies need not be.
+  chmod -R u+w "$SCHEMAS"
+  printf 'kubernetes %s\nistio.io/api %s\nprometheus-operator %s\n' \
+    "$K8S_VERSION" "$ISTIO_API_VERSION" "$PROM_OPERATOR_VERSION" > "$SCHEMAS/VERSIONS"
+  touch "$SCHEMAS/.complete"
+  say "schemas ready in $((SECONDS - t0))s"
+fi
+
+echo "HELM=$HELM"
+echo "SCHEMAS=$SCHEMAS"
