@@ -60,9 +60,9 @@ def scenario_policy(values: dict) -> Policy:
 def istio_options(values: dict) -> istio.IstioOptions:
     f, ingress = values["filter"], values["ingress"]
     return istio.IstioOptions(
-        wasm_url=f["url"], wasm_sha256=f["sha256"], name=RELEASE, namespace=NAMESPACE,
+        wasm_url=f["url"], wasm_sha256=f["sha256"], name=RELEASE, namespace=NAMESPACE, cluster_domain=values["clusterDomain"],
         http_port=values["ports"]["http"], grpc_port=values["ports"]["grpc"], fail_strategy=f["failStrategy"],
-        filter_namespace=f["namespace"], filter_selector=f["selector"], attach_to=f["attachTo"],
+        filter_namespace=f["namespace"], filter_selector=f["selector"] or {"istio": "ingress"}, attach_to=f["attachTo"],
         gateways=(f"{NAMESPACE}/{RELEASE}",) if ingress["enabled"] else (), hosts=tuple(ingress["hosts"]),
         image_pull_policy=f["imagePullPolicy"], image_pull_secret=f["imagePullSecret"],
     )
@@ -159,6 +159,7 @@ def test_each_deployment_runs_its_pool_as_the_sidecar_reads_the_command_line(sce
             assert c[probe]["grpc"] == {"port": cfg.server.grpc_port, "service": INFERENCE_SERVICE}
         assert c["livenessProbe"]["grpc"] == {"port": cfg.server.grpc_port}
         assert d["spec"]["replicas"] == policy.pools[pool].replicas
+        assert d["spec"]["template"]["metadata"]["labels"]["sidecar.istio.io/inject"] == "true"
         local = any(m.path is None for m in policy.pools[pool].models)
         assert [i["name"] for i in pod.get("initContainers", [])] == (["models"] if local else [])
 
@@ -189,6 +190,8 @@ def test_filter_form_follows_the_rules(helm):
     assert not header_only.of("EnvoyFilter")
     wp = header_only.one("WasmPlugin")
     assert wp["metadata"]["namespace"] == "apps" and wp["spec"]["match"] == [{"mode": "CLIENT"}]
+    # The given labels replace the default ones (a default in values.yaml would be merged in).
+    assert wp["spec"]["selector"] == {"matchLabels": {"infermesh.io/client": "true"}}
     assert wp["spec"]["failStrategy"] == "FAIL_CLOSE" and wp["spec"]["imagePullSecret"] == "registry-credentials"
     assert not header_only.of("Gateway") and len(header_only.of("VirtualService")) == 1
 
@@ -290,3 +293,24 @@ def test_a_broken_object_fails_its_schema(helm, schemas, kind, break_it, field):
 def test_an_unknown_kind_has_no_schema(schemas):
     with pytest.raises(SchemaError, match="no schema for networking.istio.io/v1 VirtualServce"):
         schemas.validate({"apiVersion": "networking.istio.io/v1", "kind": "VirtualServce", "metadata": {"name": "x"}})
+
+
+def test_notes_render_and_name_pools_and_filter_form(helm, tmp_path):
+    # `helm template` skips NOTES.txt and `helm install --dry-run` needs a cluster. In a copy of
+    # the chart, a manifest renders it with `tpl`: the same engine, values and helpers.
+    import shutil
+
+    chart = tmp_path / "infermesh"
+    shutil.copytree(CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "files" / "notes.txt")
+    (chart / "templates" / "notes-preview.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata:\n  notes: {{ tpl (.Files.Get "files/notes.txt") . | quote }}\n')
+    r = helm.run("template", RELEASE, str(chart), "--namespace", NAMESPACE, "--kube-version", helm.kube_version,
+                 "--values", str(PRODUCTION_VALUES), "--show-only", "templates/notes-preview.yaml")
+    assert r.returncode == 0, r.stderr
+    notes = yaml.safe_load(r.stdout)["data"]["notes"]
+    assert "  - h100: 2 replica(s), models llama-3-70b -> phi-3-mini" in notes
+    assert "  - l4: 4 replica(s), models llama-3-8b" in notes
+    assert "Default pool (requests no rule matches): l4" in notes
+    assert "an EnvoyFilter (a rule reads the body)" in notes
+    assert "curl -s http://infermesh.infermesh:8000/v1/models" in notes

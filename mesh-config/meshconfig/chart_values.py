@@ -14,7 +14,6 @@ A test keeps the committed file equal to this output.
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from typing import Any
@@ -22,7 +21,6 @@ from typing import Any
 from .policy import Policy
 
 DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-K8S_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 
 
 def obj(properties: dict[str, Any], required: tuple[str, ...] = (), description: str | None = None) -> dict:
@@ -38,6 +36,11 @@ def obj(properties: dict[str, Any], required: tuple[str, ...] = (), description:
 def string_map(description: str | None = None) -> dict:
     out: dict[str, Any] = {"type": "object", "additionalProperties": {"type": "string"}}
     return out | ({"description": description} if description else {})
+
+
+def string_or_number_map() -> dict:
+    """Resource quantities: "8Gi" or 8."""
+    return {"type": "object", "additionalProperties": {"type": ["string", "number"]}}
 
 
 # Free-form Kubernetes objects the chart passes through unchanged (the API server validates them).
@@ -122,6 +125,7 @@ def chart_schema(policy: dict) -> dict:
                 "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
             }, required=("repository",)),
             "imagePullSecrets": {"type": "array", "items": obj({"name": {"type": "string", "minLength": 1}}, required=("name",))},
+            "clusterDomain": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"},
             "ports": obj({"http": port, "grpc": port}, required=("http", "grpc")),
             "filter": obj({
                 "url": {"type": "string", "pattern": "^$|^(oci|https?|file)://.+",
@@ -196,7 +200,7 @@ def chart_schema(policy: dict) -> dict:
                     "degradedFor": duration,
                 }),
             }),
-        }, required=("image", "ports", "filter")),
+        }, required=("image", "clusterDomain", "ports", "filter")),
     }
 
 
@@ -211,16 +215,10 @@ def _pool_settings() -> dict:
     })
 
 
-def string_or_number_map() -> dict:
-    return {"type": "object", "additionalProperties": {"type": ["string", "number"]}}
-
-
 def values_schema() -> dict:
     """The whole values.schema.json."""
     policy, defs = policy_schema()
-    out = chart_schema(policy)
-    out["$defs"] = copy.deepcopy(defs)
-    return out
+    return chart_schema(policy) | {"$defs": defs}
 
 
 def render() -> str:

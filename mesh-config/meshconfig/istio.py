@@ -66,7 +66,8 @@ class IstioConfigError(ValueError):
 
 @dataclass(frozen=True)
 class IstioOptions:
-    """What a Kubernetes deployment adds to the policy. The defaults are the chart's defaults."""
+    """What a Kubernetes deployment adds to the policy. The defaults are the chart's, except
+    `gateways`: with `ingress.enabled` the chart binds the routes to a Gateway of its own."""
 
     wasm_url: str
     """Where proxies fetch the filter: `oci://REGISTRY/REPO:TAG`, `https://…` or `file://…`."""
@@ -77,6 +78,7 @@ class IstioOptions:
     namespace: str = "infermesh"
     """Namespace of the pools, their Services and the routing objects."""
     cluster_domain: str = "cluster.local"
+    """The cluster's DNS domain (Service FQDNs in routes and DestinationRules)."""
     http_port: int = 8000
     """The sidecars' OpenAI HTTP front."""
     grpc_port: int = 50051

@@ -33,7 +33,7 @@ cross reference by its field (_validate.tpl) instead of failing somewhere inside
 {{- end -}}
 
 {{- define "infermesh.fqdn" -}}
-{{- printf "%s.%s.svc.cluster.local" .name .root.Release.Namespace -}}
+{{- printf "%s.%s.svc.%s" .name .root.Release.Namespace .root.Values.clusterDomain -}}
 {{- end -}}
 
 {{/* Labels every object carries. */}}
