@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHART, HERE, NAMESPACE, RELEASE, REPO
+from helm_render import CHART, HERE, NAMESPACE, RELEASE, REPO
 from kube_schema import SchemaError
 
 from infermesh.meshconfig import chart_values, istio
@@ -252,6 +252,17 @@ def test_bundled_and_example_policies_are_the_repositorys():
 ])
 def test_values_typos_are_rejected_by_the_schema(helm, setting, message):
     assert message in helm.template_error([PRODUCTION_VALUES], [setting])
+
+
+@pytest.mark.parametrize("setting, message", [
+    ('policy.rules[0].match={"headrs": [{"name": "x-priority", "exact": "high"}]}', "at '/policy/rules/0/match': additional properties 'headrs' not allowed"),
+    ('policy.rules[1].match.body={"service_tier": {"exact": "priority", "prefix": "p"}}', "at '/policy/rules/1/match/body/service_tier'"),
+    ('policy.rules[0].name="default"', "at '/policy/rules/0/name'"),
+    # A bare YAML 1.1 n is false: the schema says so instead of the filter never matching.
+    ('policy.rules[4].match.body={"false": {"min": 4}}', "at '/policy/rules/4/match/body': additional properties 'false' not allowed"),
+])
+def test_rule_typos_are_rejected_as_the_filter_would(helm, setting, message):
+    assert message in helm.template_error([PRODUCTION_VALUES], set_json=[setting])
 
 
 @pytest.mark.parametrize("values, setting, message", [
