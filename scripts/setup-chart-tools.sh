@@ -4,12 +4,14 @@
 #   - the schemas every rendered object is validated against: Kubernetes' OpenAPI v3 spec
 #     (module k8s.io/kubernetes, api/openapi-spec/v3), Istio's CRDs (module istio.io/api,
 #     kubernetes/customresourcedefinitions.gen.yaml) and the ServiceMonitor / PrometheusRule
-#     CRDs (module github.com/prometheus-operator/prometheus-operator, example/prometheus-operator-crd).
+#     CRDs (module github.com/prometheus-operator/prometheus-operator, example/prometheus-operator-crd);
+#   - charts/tests/rulecheck, which checks the chart's alert rules as Prometheus loads a rule file
+#     (the `promtool check rules` parser, github.com/prometheus/prometheus/model/rulefmt).
 #
 # Idempotent: everything lands in $INFERMESH_HOME (default ~/.cache/infermesh) under names that
 # carry the versions, so a second run only checks that the files are there.
 #
-#   scripts/setup-chart-tools.sh     install what is missing; prints HELM=… and SCHEMAS=… last
+#   scripts/setup-chart-tools.sh     install what is missing; prints HELM=, SCHEMAS=, RULECHECK= last
 set -euo pipefail
 
 HELM_VERSION=v3.22.0
@@ -20,6 +22,8 @@ PROM_OPERATOR_VERSION=v0.85.0
 
 HOME_DIR="${INFERMESH_HOME:-$HOME/.cache/infermesh}"
 HELM="$HOME_DIR/bin/helm-$HELM_VERSION"
+RULECHECK_SRC="$(cd "$(dirname "$0")/../charts/tests/rulecheck" && pwd)"
+RULECHECK="$HOME_DIR/bin/rulecheck-$(cat "$RULECHECK_SRC"/go.mod "$RULECHECK_SRC"/go.sum "$RULECHECK_SRC"/main.go | sha256sum | cut -c1-12)"
 SCHEMAS="$HOME_DIR/chart-schemas/k8s-$K8S_VERSION-istio-$ISTIO_API_VERSION-prom-$PROM_OPERATOR_VERSION"
 say() { echo "setup-chart-tools: $*" >&2; }
 
@@ -68,5 +72,16 @@ if [ ! -f "$SCHEMAS/.complete" ]; then
   say "schemas ready in $((SECONDS - t0))s"
 fi
 
+if [ ! -x "$RULECHECK" ]; then
+  t0=$SECONDS
+  say "building rulecheck (Prometheus' rule-file parser)"
+  mkdir -p "$HOME_DIR/bin"
+  # -mod=readonly: the committed go.sum decides the versions; the build changes nothing there.
+  (cd "$RULECHECK_SRC" && GOFLAGS=-mod=readonly go build -o "$RULECHECK.tmp" .)
+  mv "$RULECHECK.tmp" "$RULECHECK"
+  say "rulecheck ready in $((SECONDS - t0))s"
+fi
+
 echo "HELM=$HELM"
 echo "SCHEMAS=$SCHEMAS"
+echo "RULECHECK=$RULECHECK"

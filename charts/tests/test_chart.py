@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,18 @@ def test_secure_by_default(helm):
     # No principals at all: the rule goes, and with namespaces only those remain allowed.
     ns_only = helm.template(SCENARIOS["header-only"]).one("AuthorizationPolicy")
     assert ns_only["spec"]["rules"] == [{"from": [{"source": {"namespaces": ["apps"]}}], "to": [{"operation": {"ports": ["8000", "50051"]}}]}]
+
+
+@pytest.mark.parametrize("name", ["production", "header-only"])
+def test_alert_rules_load_as_prometheus_loads_a_rule_file(helm, chart_tools, name):
+    rule = helm.template(SCENARIOS[name]).one("PrometheusRule")
+    rule_file = yaml.safe_dump({"groups": rule["spec"]["groups"]})
+    r = subprocess.run([chart_tools["RULECHECK"]], input=rule_file, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # And it does refuse a broken expression.
+    broken = rule_file.replace("> 0.8", "> > 0.8")
+    r = subprocess.run([chart_tools["RULECHECK"]], input=broken, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "InfermeshModelColdStartSlow" in r.stdout and "parse error" in r.stdout
 
 
 def test_alerts_watch_metrics_the_sidecar_exports(helm):
