@@ -141,6 +141,11 @@ def _cmd_policy_render(args: argparse.Namespace) -> int:
             print(f"{args.file}: {e}", file=sys.stderr)
             return 2
         return 0
+    elif args.what == "helm-values":
+        import yaml
+
+        # JSON, which Helm reads as YAML without YAML 1.1's surprises (there a bare `n` key is false).
+        out = {"policy": yaml.safe_load(Path(args.file).read_text())}
     else:
         out = bootstrap(LocalMeshPlan(policy=p).listener(Path(paths.filter_wasm())))
     print(json.dumps(out, indent=2))
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     check.set_defaults(func=_cmd_policy_check)
     render = policy_sub.add_parser("render", help="print a config generated from a policy")
     render.add_argument("file")
-    render.add_argument("what", choices=["filter", "sidecar", "envoy", "istio"])
+    render.add_argument("what", choices=["filter", "sidecar", "envoy", "istio", "helm-values"])
     render.add_argument("pool", nargs="?", help="with `sidecar`: the pool")
     render.add_argument("--wasm-url", help="with `istio`: where proxies fetch the filter (oci://…, https://…)")
     render.add_argument("--wasm-sha256", help="with `istio`: the module's SHA-256 (the image digest for oci://)")

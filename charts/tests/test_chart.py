@@ -338,3 +338,17 @@ def test_notes_render_and_name_pools_and_filter_form(helm, tmp_path):
     assert "Default pool (requests no rule matches): l4" in notes
     assert "an EnvoyFilter (a rule reads the body)" in notes
     assert "curl -s http://infermesh.infermesh:8000/v1/models" in notes
+
+
+def test_policy_render_helm_values_gives_a_values_file_for_any_policy(helm, tmp_path, capsys):
+    """`infermesh policy render FILE helm-values`: the policy file as chart values, in JSON, so the
+    production policy's bare `n` key survives Helm's YAML 1.1 (where it would be false)."""
+    from infermesh.cli import main
+
+    production = REPO / "mesh-config" / "policies" / "production.yaml"
+    assert main(["policy", "render", str(production), "helm-values"]) == 0
+    values = tmp_path / "values.json"
+    values.write_text(capsys.readouterr().out)
+    rendered = helm.template([PIN, values])
+    assert parse_policy(rendered.one("ConfigMap")["data"]["policy.yaml"]) == load_policy(production)
+    assert {d["metadata"]["name"] for d in rendered.of("Deployment")} == {"infermesh-h100", "infermesh-l4"}
