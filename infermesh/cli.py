@@ -90,6 +90,16 @@ Edit {plan.policy_path} and the change reaches Envoy within a second. Ctrl-C sto
         return 0
 
 
+def _cmd_drill(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .drill import SCENARIOS, DrillOptions, run_cli
+
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    opts = DrillOptions(rate_interactive=args.rate_interactive, rate_batch=args.rate_batch, fault_pool=args.pool)
+    return run_cli(names, Path(args.policy) if args.policy else None, opts, args.json, args.plot)
+
+
 def _load_policy_or_report(path: str):
     """The policy, or None after printing its problems (file:line: field: message)."""
     from infermesh.meshconfig.policy import PolicyError, load_policy
@@ -170,6 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--policy", help="mesh policy file (default: mesh-config/policies/local.yaml); edits apply live")
     up.add_argument("--xds-port", type=int, default=18000, help="control plane (ADS) port, 127.0.0.1 (default 18000)")
     up.set_defaults(func=_cmd_up)
+
+    from .drill import SCENARIOS
+
+    drill = sub.add_parser("drill", help="run a degraded-mode drill on a local mesh of its own and report (docs/drills.md)",
+                           description="Start a local mesh on free ports from a copy of the policy, run a steady mixed load, "
+                                       "inject the fault, and report outcomes, times and checks. Exit 1 if a check fails.")
+    drill.add_argument("scenario", choices=[*SCENARIOS, "all"], help="; ".join(SCENARIOS) + "; or all, one after another")
+    drill.add_argument("--policy", help="mesh policy (default: mesh-config/policies/local.yaml); the drill works on a copy")
+    drill.add_argument("--pool", help="pool the fault hits (default: the most important class's pool)")
+    drill.add_argument("--json", action="store_true", help="print the report(s) as JSON instead of text")
+    drill.add_argument("--plot", metavar="FILE.png", help="draw the timeline (with `all`: FILE-SCENARIO.png each)")
+    drill.add_argument("--rate-interactive", type=float, default=1.0, help="streaming chats per second (default 1: a 2-core CPU machine)")
+    drill.add_argument("--rate-batch", type=float, default=0.5, help="batch completions per second (default 0.5)")
+    drill.set_defaults(func=_cmd_drill)
 
     policy = sub.add_parser("policy", help="the mesh policy file")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)

@@ -219,9 +219,11 @@ class LocalMesh:
         progress(f"envoy: starting (listener :{self.plan.listen_port}, admin 127.0.0.1:{self.plan.admin_port})")
         try:
             self.wait_ready({c.name for c in self.children}, timeout, progress)
-        except LaunchError:
+            # Ready means Envoy routes to every pool: its health checks must have seen them.
+            wait_until(self.envoy_sees_every_pool, 30, every=0.1, what="Envoy's health checks to pass for every pool")
+        except (LaunchError, TimeoutError) as e:
             self.stop()
-            raise
+            raise LaunchError(str(e)) from e
 
     def wait_ready(self, names: set[str], timeout: float, progress: Callable[[str], None] = lambda s: None) -> None:
         """Wait until every named child is ready; LaunchError if one exits or time runs out."""
@@ -244,6 +246,24 @@ class LocalMesh:
                 waited = time.monotonic() - min(self.started_at[n] for n in pending)
                 progress(f"waiting for {', '.join(sorted(pending))} ({waited:.0f}s; models load in ~30-60s on CPU)")
             time.sleep(0.25)
+
+    def envoy_sees_every_pool(self) -> bool:
+        """Every pool cluster's own (priority 0) endpoints are healthy in Envoy."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.plan.admin_port}/clusters?format=json", timeout=2) as r:
+                clusters = json.loads(r.read()).get("cluster_statuses", [])
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        seen = 0
+        for c in clusters:
+            if not c["name"].startswith("pool_"):
+                continue
+            seen += 1
+            own = [h for h in c.get("host_statuses", []) if h.get("priority", 0) == 0]
+            if not own or any(set(h.get("health_status", {})) - {"eds_health_status"} or
+                              h["health_status"].get("eds_health_status", "HEALTHY") != "HEALTHY" for h in own):
+                return False
+        return seen > 0
 
     def _ready(self, name: str) -> bool:
         if name == "control-plane":
@@ -277,6 +297,12 @@ class LocalMesh:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
+            # Whatever the child left behind in its process group goes too: a sidecar stopped
+            # while it still loads its models dies at once and orphans vLLM's engine processes.
+            try:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.children.clear()
 
     def __enter__(self) -> "LocalMesh":

@@ -6,7 +6,10 @@ turned off entirely with `admin.allow_faults: false`.
     GET    /admin/state              pool state: level, actions, serving model, breakers, faults
     GET    /admin/events             Server-Sent Events: one JSON object per breaker transition
     PUT    /admin/faults/{signal}    {"value": 0.97, "duration_s": 30}: override a reading
-    DELETE /admin/faults[/{signal}]  end injected readings
+    PUT    /admin/faults/stall       {"value": 0.8, "duration_s": 20, "period_s": 1}: stop the
+                                     primary model's engine processes for 80 % of every second
+                                     (real slowness, as on an overloaded GPU)
+    DELETE /admin/faults[/{signal}]  end injected faults
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from .breakers import Signal
 from .engine import EngineManager
 
 SIGNALS = set(Signal.__args__)  # type: ignore[attr-defined]
+STALL = "stall"
+"""Not a reading: a real stall of the primary model's engine processes."""
 
 
 def build_admin_app(engine: EngineManager) -> FastAPI:
@@ -57,27 +62,38 @@ def build_admin_app(engine: EngineManager) -> FastAPI:
     async def set_fault(signal: str, request: Request):
         if not allow:
             return err(403, "fault injection is disabled (admin.allow_faults: false)")
-        if signal not in SIGNALS:
-            return err(404, f"unknown signal {signal!r}; one of {sorted(SIGNALS)}")
+        if signal not in SIGNALS and signal != STALL:
+            return err(404, f"unknown fault {signal!r}; one of {sorted(SIGNALS | {STALL})}")
         try:
             body = json.loads(await request.body())
             value = float(body["value"])
             duration = float(body.get("duration_s", 60))
+            period = float(body.get("period_s", 1.0))
         except (ValueError, KeyError, TypeError) as e:
             return err(400, f'body must be {{"value": number, "duration_s": number}}: {e}')
         if not (0 <= value <= 1e6) or not (0 < duration <= 3600):
             return err(400, "value must be in [0, 1e6] and duration_s in (0, 3600]")
+        if signal == STALL:
+            if not (0 < value <= 0.95) or not (0.05 <= period <= 10):
+                return err(400, "stall: value (the stopped fraction) must be in (0, 0.95] and period_s in [0.05, 10]")
+            if not engine.primary.pids:
+                return err(409, "the primary model's engine processes are not known (not loaded yet?)")
+            return {"signal": signal, **engine.start_stall(value, duration, period)}
         engine.faults.set(signal, value, duration)
         return {"signal": signal, "value": value, "duration_s": duration}
 
     @app.delete("/admin/faults")
     async def clear_all():
         engine.faults.clear()
+        engine.stop_stall()
         return {"cleared": "all"}
 
     @app.delete("/admin/faults/{signal}")
     async def clear_one(signal: str):
-        engine.faults.clear(signal)
+        if signal == STALL:
+            engine.stop_stall()
+        else:
+            engine.faults.clear(signal)
         return {"cleared": signal}
 
     return app

@@ -8,8 +8,8 @@ A breaker watches one signal (GPU memory fraction, KV-cache use, CPU load, TTFT,
     OPEN ──(signal < recover_below for recover_sustain_s)──► one action undone; when none are
           left ──► HALF_OPEN
     HALF_OPEN: normal service for up to half_open_trials requests / half_open_timeout_s
-          ──(signal stays < trip_above until then)──► CLOSED
-          ──(signal > trip_above again)──► OPEN (first action) at once
+          ──(no min_samples readings in a row above trip_above until then)──► CLOSED
+          ──(min_samples readings in a row above trip_above)──► OPEN (first action), no sustain window
 
 Hysteresis (trip above one threshold, recover only below a lower one held for a while) and
 the sustain windows keep an oscillating signal from flapping. Time comes from an injected clock,
@@ -198,8 +198,10 @@ class Breaker:
                 self._level_since = now
                 self._notify_level(f"escalating: {cfg.signal} {value:.3g} still above {cfg.trip_above:g}", value)
         elif self.state is State.HALF_OPEN:
-            if value > cfg.trip_above:
-                # Pressure is back: no sustain window this time, the trial failed.
+            if value > cfg.trip_above and self._above_samples >= cfg.min_samples:
+                # Pressure is back: no sustain window this time, the trial failed. It takes
+                # min_samples readings in a row, though: one spike of a noisy signal (CPU load
+                # on a busy machine) re-opening at once made the pool flap (cpu drill).
                 self.level = 1
                 self._level_since = now
                 self._move(State.OPEN, f"half-open trial failed: {cfg.signal} {value:.3g} above {cfg.trip_above:g}", value)
@@ -227,6 +229,9 @@ class Breaker:
             "trip_above": self.config.trip_above,
             "recover_below": self.config.recover_below,
             "since_s": round(self.clock() - self.state_since, 3),
+            # How long the signal has been above trip_above without a break (None: it is not):
+            # lets a drill tell when the threshold was crossed, as this breaker saw it.
+            "above_s": None if self._above_since is None else round(self.clock() - self._above_since, 3),
         }
 
 

@@ -111,6 +111,7 @@ class ModelEngine:
         self.load_seconds: float | None = None
         self.inflight = 0
         self.sleeping = False
+        self.pids: list[int] = []
 
     def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -137,7 +138,10 @@ class ModelEngine:
             def __init__(self, vllm_config, engine_index: int = 0):
                 _StatsLogger.__init__(self, sink)
 
+        before = _child_pids()
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[Logger])
+        # vLLM's engine-core process(es) of this model: what a stall fault stops.
+        self.pids = sorted(_child_pids() - before)
         self.tokenizer = self.engine.get_tokenizer()
         self.load_seconds = time.monotonic() - t0
         log.info("engine ready", extra={"model": m.name, "load_seconds": round(self.load_seconds, 2)})
@@ -146,6 +150,62 @@ class ModelEngine:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+class EngineStall:
+    """A drill fault: the primary model's engine processes are stopped (SIGSTOP) for `duty` of
+    every `period_s`, as an overloaded or throttled accelerator would stall them. The slowness is
+    real: the sidecar's own TTFT measurements, its breakers and the ladder see it the way they
+    would see a slow GPU. It always ends with the processes running (SIGCONT): on expiry, on
+    `stop()`, and when the task is cancelled."""
+
+    def __init__(self, pids: list[int], duty: float, duration_s: float, period_s: float, clock: Callable[[], float]):
+        self.pids, self.duty, self.period_s, self.clock = pids, duty, period_s, clock
+        self.until = clock() + duration_s
+        self.task: asyncio.Task | None = None
+
+    def _signal(self, sig) -> None:
+        import os
+
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    async def run(self) -> None:
+        import signal
+
+        try:
+            while self.clock() < self.until:
+                self._signal(signal.SIGSTOP)
+                await asyncio.sleep(self.duty * self.period_s)
+                self._signal(signal.SIGCONT)
+                await asyncio.sleep((1 - self.duty) * self.period_s)
+        finally:
+            self._signal(signal.SIGCONT)
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.run())
+
+    def stop(self) -> None:
+        import signal
+
+        if self.task is not None:
+            self.task.cancel()
+        self._signal(signal.SIGCONT)
+
+    def snapshot(self) -> dict | None:
+        remaining = self.until - self.clock()
+        if remaining <= 0 or (self.task is not None and self.task.done()):
+            return None
+        return {"value": self.duty, "period_s": self.period_s, "remaining_s": round(remaining, 2), "pids": self.pids}
 
 
 def _gpu_present() -> bool:
@@ -167,6 +227,7 @@ class EngineManager:
         self._inflight: dict[str, ModelEngine | None] = {}
         self._draining = False
         self.faults = Faults(clock)
+        self.stall: EngineStall | None = None
         self.window = RequestWindow(config.monitor.window_s, clock=clock)
         self.transitions: deque[dict] = deque(maxlen=256)
         self._watchers: set[asyncio.Queue] = set()
@@ -209,8 +270,26 @@ class EngineManager:
                     "pool_actions": sorted(self.policy.actions)})
 
     def shutdown(self) -> None:
+        self.stop_stall()
         for m in self.ladder:
             m.shutdown()
+
+    # -- drill faults ------------------------------------------------------------------------
+
+    def start_stall(self, duty: float, duration_s: float, period_s: float = 1.0) -> dict:
+        """Stall the primary model's engine processes (see EngineStall); replaces a running stall."""
+        self.stop_stall()
+        if not self.primary.pids:
+            raise RuntimeError("the primary model's engine processes are not known")
+        self.stall = EngineStall(self.primary.pids, duty, duration_s, period_s, self.clock)
+        self.stall.start()
+        log.warning("engine stall injected", extra={"duty": duty, "duration_s": duration_s, "period_s": period_s, "pids": self.primary.pids})
+        return self.stall.snapshot() or {}
+
+    def stop_stall(self) -> None:
+        if self.stall is not None:
+            self.stall.stop()
+            self.stall = None
 
     # -- breakers ----------------------------------------------------------------------------
 
@@ -314,7 +393,7 @@ class EngineManager:
                 for m in self.ladder
             ],
             "breakers": [b.snapshot() for b in self.breakers],
-            "faults": self.faults.snapshot(),
+            "faults": self.faults.snapshot() | ({"stall": st} if self.stall and (st := self.stall.snapshot()) else {}),
         }
 
     # -- models ------------------------------------------------------------------------------

@@ -32,14 +32,33 @@ def _error_response(e: SidecarError) -> JSONResponse:
     return JSONResponse(e.openai_body(), status_code=e.http_status, headers=headers)
 
 
+DISCARD_MAX_BYTES = 64 << 20
+"""How much of an oversize body is read and thrown away before the 413 goes out."""
+
+
+async def _discard_rest(request: Request, seen: int) -> None:
+    """Read (and drop) the rest of a refused body, up to DISCARD_MAX_BYTES.
+
+    Answering before the body is in and closing the connection resets it under a client (or a
+    proxy) still sending: the 413 never arrives and the client sees a broken connection (the
+    bad-requests drill lost 2 in 8 of its 5 MiB requests that way). Draining first is nginx's
+    lingering close; past the cap the connection is closed anyway."""
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > DISCARD_MAX_BYTES:
+            return
+
+
 async def _read_json(request: Request, limit: int) -> dict:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
+        await _discard_rest(request, 0)
         raise PayloadTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
+            await _discard_rest(request, len(body))
             raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
     try:
         data = json.loads(body)

@@ -29,24 +29,54 @@ class Source:
 
 
 class CpuLoad(Source):
-    """Busy fraction (0-1) of the CPUs in this process's affinity set, since the last read."""
+    """Busy fraction (0-1) of the CPUs in this process's affinity set, averaged over the last
+    `window_s` (1 s by default).
+
+    A reading over a single monitor interval (0.25 s, 25 scheduler ticks per core) jumps between
+    0 and 1 on a busy machine; a breaker that must see "above 0.95 for 30 s" would trip on noise
+    or miss a real overload. The window keeps the reading an average without slowing the
+    breaker's reaction by more than the window itself. Reads /proc/stat (psutil.cpu_times), not
+    psutil.cpu_percent, whose since-last-call state is shared by every caller in the process."""
 
     name = "cpu_load"
 
-    def __init__(self):
+    def __init__(self, window_s: float = 1.0, times: Callable[[], list] | None = None, clock: Callable[[], float] = time.monotonic):
         import psutil
 
-        self._psutil = psutil
+        self._times = times or (lambda: psutil.cpu_times(percpu=True))
+        self.clock = clock
+        self.window_s = window_s
         try:
             self.cpus = sorted(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             self.cpus = list(range(psutil.cpu_count() or 1))
-        psutil.cpu_percent(percpu=True)  # prime: the first call has no interval to measure
+        self._snaps: deque[tuple[float, float, float]] = deque()
+        self._snap()
+
+    def _snap(self) -> tuple[float, float, float]:
+        per = self._times()
+        busy = total = 0.0
+        for i in self.cpus:
+            if i < len(per):
+                t = per[i]
+                # Linux: iowait is idle time too (psutil and htop count it so).
+                idle = t.idle + getattr(t, "iowait", 0.0)
+                tot = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+                busy += tot - idle
+                total += tot
+        snap = (self.clock(), busy, total)
+        self._snaps.append(snap)
+        return snap
 
     def read(self) -> float | None:
-        per = self._psutil.cpu_percent(percpu=True)
-        vals = [per[i] for i in self.cpus if i < len(per)]
-        return sum(vals) / len(vals) / 100.0 if vals else None
+        now, busy, total = self._snap()
+        # Keep the newest snapshot that is at least window_s old as the baseline.
+        while len(self._snaps) > 2 and now - self._snaps[1][0] >= self.window_s:
+            self._snaps.popleft()
+        t0, busy0, total0 = self._snaps[0]
+        if total - total0 <= 0:
+            return None
+        return min(1.0, max(0.0, (busy - busy0) / (total - total0)))
 
 
 class GpuMemory(Source):

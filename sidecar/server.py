@@ -80,6 +80,7 @@ async def run(config: SidecarConfig) -> int:
     setup_logging({"pool": config.pool, "instance_id": config.instance})
     metrics = SidecarMetrics(config.pool, config.instance)
     engine = EngineManager(config)
+    engine.on_change.append(metrics.count_transition)
     log.info("loading models", extra={"ladder": [m.name for m in config.models], "standby": config.standby})
     engine.start()
     for m in engine.ladder:
@@ -168,7 +169,8 @@ async def run(config: SidecarConfig) -> int:
 
 
 def config_from_policy(policy_path: str, pool: str, *, models_dir: Path, host: str, http_port: int, grpc_port: int,
-                       instance: str, drain_grace_s: float | None) -> SidecarConfig:
+                       instance: str, drain_grace_s: float | None, admin_port: int = 0, admin_grpc_port: int = 0,
+                       allow_faults: bool = True) -> SidecarConfig:
     """One pool's config generated from the mesh policy (Policy.sidecar_config), validated."""
     from infermesh.meshconfig.policy import PolicyError, load_policy
 
@@ -178,7 +180,9 @@ def config_from_policy(policy_path: str, pool: str, *, models_dir: Path, host: s
         raise ConfigError(f"invalid policy:\n{e}") from e
     if pool not in policy.pools:
         raise ConfigError(f"{policy_path}: --pool {pool!r} is not one of the pools {sorted(policy.pools)}")
-    data = policy.sidecar_config(pool, models_dir, host=host, http_port=http_port, grpc_port=grpc_port, instance=instance)
+    data = policy.sidecar_config(pool, models_dir, host=host, http_port=http_port, grpc_port=grpc_port, instance=instance,
+                                 admin_port=admin_port, admin_grpc_port=admin_grpc_port)
+    data["admin"]["allow_faults"] = allow_faults
     if drain_grace_s is not None:
         data["server"]["drain_grace_s"] = drain_grace_s
     try:
@@ -201,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--instance", default="0", help="this replica's id in the pool (the chart passes the pod name)")
     gen.add_argument("--models-dir", help="where models without a path live (default: $INFERMESH_HOME/models)")
     gen.add_argument("--drain-grace-s", type=float, help="on SIGTERM, how long in-flight streams may take (default: the sidecar's, 20 s)")
+    gen.add_argument("--admin-port", type=int, default=0, help="admin HTTP API on 127.0.0.1 (default 0: a free port, logged)")
+    gen.add_argument("--admin-grpc-port", type=int, default=0, help="admin gRPC API on 127.0.0.1 (default 0: a free port, logged)")
+    gen.add_argument("--no-faults", dest="allow_faults", action="store_false",
+                     help="refuse fault injection on the admin API (PUT /admin/faults/...); production")
     return parser
 
 
@@ -215,7 +223,8 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     return config_from_policy(
         args.policy, args.pool, models_dir=Path(args.models_dir) if args.models_dir else paths.models_dir(),
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, instance=args.instance,
-        drain_grace_s=args.drain_grace_s,
+        drain_grace_s=args.drain_grace_s, admin_port=args.admin_port, admin_grpc_port=args.admin_grpc_port,
+        allow_faults=args.allow_faults,
     )
 
 

@@ -126,7 +126,10 @@ def chart_schema(policy: dict) -> dict:
             }, required=("repository",)),
             "imagePullSecrets": {"type": "array", "items": obj({"name": {"type": "string", "minLength": 1}}, required=("name",))},
             "clusterDomain": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"},
-            "ports": obj({"http": port, "grpc": port}, required=("http", "grpc")),
+            "ports": obj({"http": port, "grpc": port, "admin": port, "adminGrpc": port}, required=("http", "grpc", "admin", "adminGrpc")),
+            "admin": obj({"allowFaults": {"type": "boolean",
+                                          "description": "let PUT /admin/faults inject readings and stalls (drills); off in production"}},
+                         required=("allowFaults",)),
             "filter": obj({
                 "url": {"type": "string", "pattern": "^$|^(oci|https?|file)://.+",
                         "description": "required: oci://REGISTRY/REPO:TAG, https://…/infermesh_filter.wasm or file://…"},

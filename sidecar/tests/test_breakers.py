@@ -118,14 +118,32 @@ def test_half_open_closes_after_its_timeout_without_traffic():
     assert b.state is State.CLOSED
 
 
-def test_half_open_reopens_at_once_on_pressure():
+def test_half_open_reopens_on_pressure_without_waiting_for_the_sustain_window():
     b, clock, _ = make()
     feed(b, clock, 0.99, 5.25)
     feed(b, clock, 0.5, 10.25)
     assert b.state is State.HALF_OPEN
+    for _ in range(CFG.min_samples - 1):
+        clock.advance(0.25)
+        b.observe(0.97)
+        assert b.state is State.HALF_OPEN
     clock.advance(0.25)
-    b.observe(0.97)
+    b.observe(0.97)  # min_samples (3) in a row: 0.75 s, not the 5 s sustain window
     assert b.state is State.OPEN and b.actions == ("shed",)
+
+
+def test_one_spike_in_half_open_does_not_reopen():
+    """A noisy signal (CPU load on a machine the serving itself keeps busy) spikes over the
+    threshold for a reading or two; re-opening on each spike made the pool flap."""
+    b, clock, log = make()
+    feed(b, clock, 0.99, 5.25)
+    feed(b, clock, 0.5, 10.25)
+    assert b.state is State.HALF_OPEN
+    for _ in range(31):  # past the 30 s half-open timeout
+        feed(b, clock, 0.97, 0.5)  # two readings above
+        feed(b, clock, 0.6, 0.5)
+    assert b.state is State.CLOSED, "spikes shorter than min_samples readings are not pressure"
+    assert [t.to_state for t in log][-2:] == [State.HALF_OPEN, State.CLOSED]
 
 
 def test_oscillating_signal_does_not_flap():
@@ -186,3 +204,34 @@ def test_bad_configs_are_refused(kw, msg):
     base = dict(signal="gpu_memory", trip_above=0.92, recover_below=0.8)
     with pytest.raises(ValidationError, match=msg):
         BreakerConfig(**(base | kw))
+
+
+def test_cpu_load_is_averaged_over_its_window_with_a_fake_proc_stat():
+    """Fake /proc/stat: one core busy 100 % for 0.25 s, then idle; readings every 0.25 s average
+    the last second instead of jumping between 0 and 1."""
+    from collections import namedtuple
+
+    from infermesh.sidecar.monitors import CpuLoad
+
+    T = namedtuple("T", "user nice system idle iowait irq softirq steal guest guest_nice")
+    clock = [0.0]
+    counters = {"busy": 0.0, "idle": 0.0}
+
+    def times():
+        return [T(counters["busy"], 0, 0, counters["idle"], 0, 0, 0, 0, 0, 0)]
+
+    cpu = CpuLoad(window_s=1.0, times=times, clock=lambda: clock[0])
+    cpu.cpus = [0]
+
+    def step(busy_share: float) -> float:
+        clock[0] += 0.25
+        counters["busy"] += 0.25 * busy_share
+        counters["idle"] += 0.25 * (1 - busy_share)
+        return cpu.read()
+
+    readings = [step(1.0)] + [step(0.0) for _ in range(5)]
+    assert readings[0] == 1.0
+    assert readings[1:4] == [0.5, 1 / 3, 0.25]  # the busy quarter stays in the one-second window
+    assert readings[4] == 0.0 and readings[5] == 0.0  # and leaves it
+    # Half busy all along reads 0.5 every time.
+    assert [round(step(0.5), 6) for _ in range(8)][-4:] == [0.5] * 4

@@ -27,6 +27,12 @@ def test_a_pool_of_the_policy_becomes_its_sidecar_config(tmp_path):
     assert cfg.classes["batch"].sheddable and cfg.default_class == policy.default_class
 
 
+def test_fixed_admin_ports_and_faults_off_for_production():
+    cfg = config("--policy", str(LOCAL_POLICY), "--pool", "batch", "--admin-port", "8301", "--admin-grpc-port", "8401", "--no-faults")
+    assert (cfg.admin.host, cfg.admin.port, cfg.admin.grpc_port, cfg.admin.allow_faults) == ("127.0.0.1", 8301, 8401, False)
+    assert config("--policy", str(LOCAL_POLICY), "--pool", "batch").admin.allow_faults, "on by default (local drills)"
+
+
 def test_defaults_keep_the_sidecars_own_drain_grace():
     assert config("--policy", str(LOCAL_POLICY), "--pool", "batch").server.drain_grace_s == 20.0
 

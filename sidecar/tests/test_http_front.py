@@ -132,3 +132,4 @@ def test_models_and_metrics(client):
     client.post("/v1/completions", json={"prompt": "x"})
     text = client.get("/metrics").text
     assert 'infermesh_sidecar_requests_total{api="completions",front="http",request_class="",status="200"} 1.0' in text
+
