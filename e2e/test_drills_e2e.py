@@ -34,5 +34,5 @@ def test_drill(local_mesh, name, tmp_path):
     failed = [f"{c['name']}: {c['detail']}" for c in rep["checks"] if not c["passed"]]
     assert rep["passed"] and not failed, failed
     # Something really ran: a steady load of both kinds (1 chat/s, 0.5 completions/s by default).
-    assert rep["requests"]["interactive"]["sent"] >= 20, rep["requests"]["interactive"]
-    assert rep["requests"]["batch"]["sent"] >= 10, rep["requests"]["batch"]
+    assert rep["requests"]["interactive"]["sent"] >= 12, rep["requests"]["interactive"]
+    assert rep["requests"]["batch"]["sent"] >= 5, rep["requests"]["batch"]
