@@ -46,7 +46,7 @@ def echo_server(name: str, port: int) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(out)
 
-        do_GET = do_POST = _reply
+        do_GET = do_POST = do_PUT = _reply
 
         def setup(self):
             super().setup()

@@ -45,7 +45,7 @@ FILTER_CONFIG = {
 
 
 class EnvoyUnderTest:
-    def __init__(self, workdir: Path, filter_config: dict | str, pools: dict[str, int]):
+    def __init__(self, workdir: Path, filter_config: dict | str, pools: dict[str, int], native_rules: bool = True):
         self.listen, self.admin_port = free_ports(2)
         listener = MeshListener(
             listen_host="127.0.0.1",
@@ -55,6 +55,7 @@ class EnvoyUnderTest:
             filter_config=filter_config if isinstance(filter_config, dict) else {},
             pools=[PoolEndpoint(n, "127.0.0.1", p) for n, p in pools.items()],
             default_pool="batch",
+            native_rules=native_rules,
         )
         boot = write_bootstrap(listener, workdir / "envoy.json")
         if not isinstance(filter_config, dict):  # a raw (possibly invalid) config string

@@ -241,7 +241,9 @@ def build_report(scenario: str, summary: str, exp: Expectation, requests: list[R
 
     checks: list[tuple[str, bool, str]] = []
     # Without a normal baseline there is nothing to compare with: the load itself was too much.
-    base_bad = [r for r in traffic if r.sent < marks.inject and r.outcome not in ("ok",)]
+    # (Requests still in flight when the fault began are judged with the fault: a stream the
+    # sidecar-kill cuts was sent in the baseline.)
+    base_bad = [r for r in traffic if r.done is not None and r.done < marks.inject and r.outcome != "ok"]
     base_levels = {s.pool for s in samples if s.t < marks.inject and s.effective_level > 0}
     checks.append(("normal service before the fault", not base_bad and not base_levels,
                    f"{len(base_bad)} requests not served normally, pools degraded: {sorted(base_levels) or 'none'}"))

@@ -4,7 +4,10 @@ Variants (each its own Envoy, --concurrency 1, in front of the same direct-respo
   no-filter       Envoy without the Wasm filter
   wasm-noop       the same module built with feature bench-noop: every callback returns at once
                   (what proxy-wasm in Envoy costs before infermesh does anything)
-  headers-only    the filter with path/header rules only (decides in on_request_headers)
+  headers-only    path/header rules as the control plane serves them: native header rules, the
+                  route table decides and the filter is off on those routes (the default)
+  headers-wasm    the same rules decided by the filter on every request (native rules off: the
+                  form with trusted sources, and the one Istio's resources use)
   body            the filter with a body rule first, so it buffers and parses every chat body
 
 Load: vegeta (Go, installed from the Go module proxy by this script) on loopback,
@@ -144,11 +147,14 @@ def start_sink(work: Path) -> tuple[Proc, int]:
 
 def start_variant(work: Path, name: str, sink_port: int, runtime: str) -> tuple[Proc, int]:
     port, admin = free_ports(2)
-    cfg = {"no-filter": HEADER_RULES, "wasm-noop": HEADER_RULES, "headers-only": HEADER_RULES, "body": BODY_RULES}[name]
+    cfg = {"no-filter": HEADER_RULES, "wasm-noop": HEADER_RULES, "headers-only": HEADER_RULES, "headers-wasm": HEADER_RULES,
+           "body": BODY_RULES}[name]
     wasm = NOOP_WASM if name == "wasm-noop" else paths.filter_wasm()
     m = MeshListener("127.0.0.1", port, admin, wasm, cfg,
                      [PoolEndpoint("interactive", "127.0.0.1", sink_port), PoolEndpoint("batch", "127.0.0.1", sink_port)], "batch",
-                     wasm_runtime=runtime)
+                     wasm_runtime=runtime,
+                     # The baselines run the filter on every request, as before native rules.
+                     native_rules=name in ("headers-only", "body"))
     b = bootstrap(m)
     if name == "no-filter":
         hcm = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
@@ -199,7 +205,8 @@ def main() -> int:
     args = ap.parse_args()
     veg = vegeta()
     sizes = [int(x) for x in args.sizes.split(",")]
-    cases = [(n, kb) for kb in sizes for n in ("no-filter", "wasm-noop", "headers-only", "body") if not (kb == 200 and n == "headers-only")]
+    cases = [(n, kb) for kb in sizes for n in ("no-filter", "wasm-noop", "headers-only", "headers-wasm", "body")
+             if not (kb == 200 and n.startswith("headers"))]
     build_noop()
     bodies = {kb: chat_body(kb * 1024) for kb in {kb for _, kb in cases}}
     samples: dict[str, list[dict]] = {}

@@ -15,6 +15,7 @@ before the control plane or the health checks notice.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,12 @@ class MeshListener:
     """Classes answered at the edge with 429 + Retry-After while a pool is degraded."""
     failover: dict[str, str] = field(default_factory=dict)
     """pool -> pool whose endpoints stand behind it at priority 1 (the policy's spill_to)."""
+    native_rules: bool = True
+    """Decide the rules Envoy can match itself (methods, exact/prefix paths, header values and
+    presence, no body) in Envoy's route table, without running the Wasm filter at all; the
+    filter runs only on the routes where a body rule (or a condition only it can judge) may
+    decide. Off, or with trusted sources in the filter config: the filter decides every request
+    (the form Istio's resources mirror). See docs/filter.md, "Native header rules"."""
 
     def pool(self, name: str) -> PoolEndpoint:
         return next(p for p in self.pools if p.pool == name)
@@ -149,29 +156,145 @@ RETRY_POLICY = {
 }
 
 
-def _pool_routes(m: MeshListener, name: str, target: str, match_headers: list[dict]) -> list[dict]:
-    """The gRPC route (if the pool has a gRPC front) and the HTTP route for requests of `name`."""
+def _pool_routes(m: MeshListener, name: str, target: str, match: dict) -> list[dict]:
+    """The gRPC route (if the pool has a gRPC front) and the HTTP route for requests that `match`."""
     # timeout 0: a streamed completion may legitimately run for minutes; the stream idle
     # timeout still ends a stuck one.
     routes = []
+    headers = match.get("headers", [])
     if m.pool(target).grpc_port:
-        routes.append({"name": f"{name}-grpc", "match": {"prefix": "/", "headers": match_headers + [GRPC_CONTENT_TYPE]},
+        routes.append({"name": f"{name}-grpc", "match": dict(match, headers=headers + [GRPC_CONTENT_TYPE]),
                        "route": {"cluster": cluster_name(target, grpc=True), "timeout": "0s", "retry_policy": RETRY_POLICY}})
-    routes.append({"name": name, "match": {"prefix": "/", "headers": match_headers} if match_headers else {"prefix": "/"},
+    routes.append({"name": name, "match": dict(match),
                    "route": {"cluster": cluster_name(target), "timeout": "0s", "retry_policy": RETRY_POLICY}})
     return routes
+
+
+def _pool_header(pool: str) -> dict:
+    return {"prefix": "/", "headers": [{"name": POOL_HEADER, "string_match": {"exact": pool}}]}
 
 
 def _routes(m: MeshListener) -> list[dict]:
     routes = [_shed_route(c) for c in m.shed_classes]
     for p in m.pools:
-        header = [{"name": POOL_HEADER, "string_match": {"exact": p.pool}}]
-        routes += _pool_routes(m, f"class-pool-{p.pool}", m.spill.get(p.pool, p.pool), header)
+        routes += _pool_routes(m, f"class-pool-{p.pool}", m.spill.get(p.pool, p.pool), _pool_header(p.pool))
+    if uses_native_rules(m):
+        return routes + _native_rule_routes(m)
     default = m.default_pool or (m.pools[0].pool if m.pools else "")
     if default:
         # No pool header: the filter failed open (or is not there); the default class's pool serves.
-        routes += _pool_routes(m, "default-pool", m.spill.get(default, default), [])
+        routes += _pool_routes(m, "default-pool", m.spill.get(default, default), {"prefix": "/"})
     return routes
+
+
+# -- native header rules ------------------------------------------------------------------------
+#
+# With native rules the route table is, in order:
+#   1. shed routes and the per-pool `x-infermesh-pool` routes (as without native rules): they take
+#      the requests the filter classified (it sets the header and clears the route cache);
+#   2. one route per policy rule, in the policy's order: a rule Envoy can match exactly becomes a
+#      route that adds the class/pool/rule headers itself and disables the Wasm filter; a rule
+#      that needs the body becomes a route on its method/path/header conditions with the filter
+#      on (the filter then decides with every rule, so first-match order holds); a condition
+#      only the filter judges (a regex: Rust's regex and Envoy's RE2 differ) ends the list with a
+#      catch-all filter route;
+#   3. the default class's route.
+# Client-sent x-infermesh-* headers are removed before any route is chosen (the HCM's early
+# header mutation), so no client can reach the step-1 routes with a header of its own.
+
+WASM_FILTER = "envoy.filters.http.wasm"
+WASM_OFF = {WASM_FILTER: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}}
+RULE_HEADER = "x-infermesh-rule"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+STRIP_CLIENT_HEADERS = [{
+    "name": "envoy.http.early_header_mutation.header_mutation",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+        "mutations": [{"remove_on_match": {"key_matcher": {"prefix": "x-infermesh-"}}}],
+    },
+}]
+
+
+def uses_native_rules(m: MeshListener) -> bool:
+    """Native rules need the client headers stripped before routing; a trusted source's headers
+    must survive, and only the filter can tell a trusted peer (CIDR or mTLS principal). A filter
+    config without classes (a test feeding the filter raw text) has nothing to compile."""
+    fc = m.filter_config
+    return m.native_rules and bool(fc.get("classes")) and fc.get("default_class") in fc["classes"] and not fc.get("trusted_sources")
+
+
+def native_match(rule: dict) -> dict | None:
+    """Envoy's RouteMatch for a rule's method, path and header conditions, exactly as the filter
+    judges them; None when one of them only the filter can judge (a regex)."""
+    m = rule.get("match", {})
+    path = m.get("path")
+    if path is None:
+        match: dict = {"prefix": "/"}
+    elif "exact" in path:
+        match = {"path": path["exact"]}  # Envoy compares the path without its query, like the filter
+    elif "prefix" in path and not any(c in path["prefix"] for c in "?#"):
+        match = {"prefix": path["prefix"]}
+    else:
+        return None
+    headers = []
+    if m.get("methods"):
+        alternatives = "|".join(re.escape(x) for x in m["methods"])
+        headers.append({"name": ":method", "string_match": {"safe_regex": {"regex": f"(?i)(?:{alternatives})"}}})
+    for h in m.get("headers", []):
+        if "regex" in h:
+            return None
+        if "exact" in h:
+            headers.append({"name": h["name"], "string_match": {"exact": h["exact"]}})
+        elif "prefix" in h:
+            headers.append({"name": h["name"], "string_match": {"prefix": h["prefix"]}})
+        else:
+            headers.append({"name": h["name"], "present_match": h.get("present", True)})
+    if headers:
+        match["headers"] = headers
+    return match
+
+
+def _decided_route(m: MeshListener, name: str, match: dict, cls: str, rule: str) -> list[dict]:
+    """Routes that decide `cls` in Envoy: the class's headers added, the filter off."""
+    fc = m.filter_config
+    spec = fc["classes"][cls]
+    if cls in m.shed_classes:
+        return [dict(_shed_route(cls), name=f"{name}-shed", match=match)]
+    headers = {CLASS_HEADER: cls, POOL_HEADER: spec["pool"], RULE_HEADER: rule}
+    if fc.get("emit_objective_header"):
+        headers[OBJECTIVE_HEADER] = spec.get("objective") or cls
+    add = [{"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"} for k, v in headers.items()]
+    routes = _pool_routes(m, name, m.spill.get(spec["pool"], spec["pool"]), match)
+    for r in routes:
+        r["request_headers_to_add"] = add
+        r["typed_per_filter_config"] = WASM_OFF
+        # Per-route stats, tagged by class/pool/rule like the filter's own counter.
+        r["stat_prefix"] = f"infermesh.class.{cls}.pool.{spec['pool']}.rule.{rule}"
+    return routes
+
+
+def _native_rule_routes(m: MeshListener) -> list[dict]:
+    fc = m.filter_config
+    default = m.default_pool or fc["classes"][fc["default_class"]]["pool"]
+    fail_open = m.spill.get(default, default)  # where a request goes if the filter fails open
+    out: list[dict] = []
+    to_filter: list[dict] = []  # matches already sent to the filter
+    for rule in fc["rules"]:
+        match = native_match(rule)
+        if match is None:
+            # Only the filter can judge this rule: it decides every request from here on.
+            return out + _pool_routes(m, f"filter-{rule['name']}", fail_open, {"prefix": "/"})
+        if "body" in rule.get("match", {}):
+            # The filter reads the body and decides with every rule; its pool header then sends
+            # the request to a step-1 route.
+            if match not in to_filter:
+                out += _pool_routes(m, f"filter-{rule['name']}", fail_open, match)
+                to_filter.append(match)
+            continue
+        if match in to_filter:
+            continue  # every request it matches goes to the filter first (e.g. chat after chat-bulk)
+        out += _decided_route(m, f"rule-{rule['name']}", match, rule["class"], rule["name"])
+    return out + _decided_route(m, "default-pool", {"prefix": "/"}, fc["default_class"], "default")
 
 
 def load_assignment(m: MeshListener, pool: str, grpc: bool = False) -> dict:
@@ -262,11 +385,17 @@ LOCAL_REPLY_CONFIG = {
 # (`infermesh.requests_total.class.C.pool.P.rule.R`); these extractors turn them into tags, so
 # /stats/prometheus shows `infermesh_requests_total{class="C",pool="P",rule="R"}`.
 _R = r"^wasmcustom\.infermesh\.requests_total"
+_V = r"^vhost\.[^.]+\.route\.infermesh\."
 FILTER_STATS_TAGS = [
     {"tag_name": "class", "regex": _R + r"(\.class\.([^.]+))"},
     {"tag_name": "pool", "regex": _R + r"\.class\.[^.]+(\.pool\.([^.]+))"},
     {"tag_name": "rule", "regex": _R + r"\.class\.[^.]+\.pool\.[^.]+(\.rule\.([^.]+))$"},
     {"tag_name": "reason", "regex": r"^wasmcustom\.infermesh\.body_fallbacks_total(\.reason\.([^.]+))$"},
+    # Natively decided requests: per-route stats under the route's stat_prefix
+    # (`vhost.V.route.infermesh.class.C.pool.P.rule.R.upstream_rq_total`), tagged the same way.
+    {"tag_name": "class", "regex": _V + r"(class\.([^.]+)\.)"},
+    {"tag_name": "pool", "regex": _V + r"class\.[^.]+\.(pool\.([^.]+)\.)"},
+    {"tag_name": "rule", "regex": _V + r"class\.[^.]+\.pool\.[^.]+\.(rule\.([^.]+)\.)"},
 ]
 
 
@@ -277,6 +406,7 @@ def bootstrap(m: MeshListener) -> dict:
         "codec_type": "AUTO",
         "stream_idle_timeout": "120s",
         "local_reply_config": LOCAL_REPLY_CONFIG,
+        **({"early_header_mutation_extensions": STRIP_CLIENT_HEADERS} if uses_native_rules(m) else {}),
         "route_config": route_config(m),
         "http_filters": [
             _wasm_filter(m),

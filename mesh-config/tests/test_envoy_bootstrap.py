@@ -2,6 +2,7 @@
 front), failover endpoints sit at priority 1, and the real Envoy binary accepts the config
 (`--mode validate`)."""
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -27,7 +28,7 @@ def _route_table(b: dict) -> dict:
 
 def test_http_and_grpc_route_and_cluster_per_pool_plus_default():
     plan = LocalMeshPlan()
-    b = bootstrap(plan.listener(Path("/x.wasm")))
+    b = bootstrap(dataclasses.replace(plan.listener(Path("/x.wasm")), native_rules=False))
     assert _route_table(b) == {
         ("interactive", True): cluster_name("interactive", grpc=True),
         ("interactive", False): cluster_name("interactive"),
@@ -63,6 +64,43 @@ def test_http_and_grpc_route_and_cluster_per_pool_plus_default():
         od = c["outlier_detection"]
         assert od["split_external_local_origin_errors"] and od["enforcing_consecutive_5xx"] == 0, "shedding is not a fault"
         assert c["circuit_breakers"]["thresholds"][0]["max_requests"] > 0
+
+
+def test_native_rules_decide_in_the_route_table_and_send_only_body_rules_to_the_filter():
+    plan = LocalMeshPlan()  # local.yaml: chat-bulk (body), chat, grpc-generate (header-only)
+    b = bootstrap(plan.listener(Path("/x.wasm")))
+    hcm = _hcm(b)
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["name"] for r in routes] == [
+        "class-pool-interactive-grpc", "class-pool-interactive", "class-pool-batch-grpc", "class-pool-batch",
+        "filter-chat-bulk-grpc", "filter-chat-bulk",  # chat is the same match: the filter decides it there
+        "rule-grpc-generate-grpc", "rule-grpc-generate",
+        "default-pool-grpc", "default-pool",
+    ]
+    by_name = {r["name"]: r for r in routes}
+    chat = by_name["filter-chat-bulk"]
+    assert chat["match"]["prefix"] == "/v1/chat/completions" and "typed_per_filter_config" not in chat, "the filter runs here"
+    assert chat["match"]["headers"][0]["name"] == ":method"
+    grpc = by_name["rule-grpc-generate-grpc"]
+    assert grpc["match"]["path"] == "/infermesh.v1.Inference/Generate"
+    assert grpc["route"]["cluster"] == "pool_interactive_grpc"
+    assert grpc["typed_per_filter_config"]["envoy.filters.http.wasm"]["disabled"] is True
+    added = {h["header"]["key"]: h["header"]["value"] for h in grpc["request_headers_to_add"]}
+    assert added == {"x-infermesh-class": "interactive", "x-infermesh-pool": "interactive", "x-infermesh-rule": "grpc-generate"}
+    default = {h["header"]["key"]: h["header"]["value"] for h in by_name["default-pool"]["request_headers_to_add"]}
+    assert default == {"x-infermesh-class": "batch", "x-infermesh-pool": "batch", "x-infermesh-rule": "default"}
+    # Client x-infermesh-* headers go before any route is chosen.
+    strip = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"][0]["remove_on_match"]
+    assert strip == {"key_matcher": {"prefix": "x-infermesh-"}}
+
+
+def test_trusted_sources_keep_the_filter_on_every_request():
+    plan = LocalMeshPlan()
+    m = plan.listener(Path("/x.wasm"))
+    m.filter_config = dict(m.filter_config, trusted_sources={"cidrs": ["10.0.0.0/8"], "principals": []})
+    hcm = _hcm(bootstrap(m))
+    assert "early_header_mutation_extensions" not in hcm, "a trusted peer's headers must reach the filter"
+    assert all("typed_per_filter_config" not in r for r in hcm["route_config"]["virtual_hosts"][0]["routes"])
 
 
 def test_the_spill_pool_backs_the_pool_at_priority_one():

@@ -2,6 +2,7 @@
 resources of envoy_bootstrap, the filter in the form its rules need, and errors that name the
 field. (charts/tests checks that the Helm chart renders exactly these objects.)"""
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -34,8 +35,10 @@ pools:
 
 
 def _plain_decisions(policy):
-    """(route name, pool header value or None, gRPC?, pool) of the plain-Envoy route table."""
-    m = LocalMeshPlan(policy=policy).listener(Path("/x.wasm"))
+    """(route name, pool header value or None, gRPC?, pool) of the plain-Envoy route table in the
+    form where the filter decides every request, as in Istio. (Plain Envoy's native header rules
+    decide the same requests the same way: e2e/test_native_rules_integration.py.)"""
+    m = dataclasses.replace(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")), native_rules=False)
     out = []
     for r in route_config(m)["virtual_hosts"][0]["routes"]:
         headers = {h["name"]: h["string_match"] for h in r["match"].get("headers", [])}
