@@ -13,10 +13,14 @@ Variants (each its own Envoy, --concurrency 1, in front of the same direct-respo
 Load: vegeta (Go, installed from the Go module proxy by this script) on loopback,
   - saturation: as fast as N workers go, for the throughput ratio;
   - fixed rate: a rate every variant sustains, for added p50/p99 latency.
+  - paired latency: one request at a time, alternating between the variant and a no-filter Envoy
+    running beside it (ABBA order, persistent connections), so both see the same machine at the
+    same moment; the added p50/p99 is the difference. This is the stable latency measure here:
+    at a fixed rate the queueing noise of 2 shared cores swings p50 by ±100 µs between rounds.
 Rounds interleave the variants so drift on a noisy machine hits all of them alike. Only ratios and
 differences are reported; absolute numbers from these machines are not meaningful.
 
-    python filter/bench/run_bench.py [--rounds 3] [--seconds 4] [--rate 400] [--json out.json]
+    python filter/bench/run_bench.py [--rounds 3] [--seconds 4] [--rate 400] [--paired 2000] [--json out.json]
 """
 
 from __future__ import annotations
@@ -147,8 +151,8 @@ def start_sink(work: Path) -> tuple[Proc, int]:
 
 def start_variant(work: Path, name: str, sink_port: int, runtime: str) -> tuple[Proc, int]:
     port, admin = free_ports(2)
-    cfg = {"no-filter": HEADER_RULES, "wasm-noop": HEADER_RULES, "headers-only": HEADER_RULES, "headers-wasm": HEADER_RULES,
-           "body": BODY_RULES}[name]
+    cfg = {"no-filter": HEADER_RULES, "paired-base": HEADER_RULES, "wasm-noop": HEADER_RULES, "headers-only": HEADER_RULES,
+           "headers-wasm": HEADER_RULES, "body": BODY_RULES}[name]
     wasm = NOOP_WASM if name == "wasm-noop" else paths.filter_wasm()
     m = MeshListener("127.0.0.1", port, admin, wasm, cfg,
                      [PoolEndpoint("interactive", "127.0.0.1", sink_port), PoolEndpoint("batch", "127.0.0.1", sink_port)], "batch",
@@ -156,7 +160,7 @@ def start_variant(work: Path, name: str, sink_port: int, runtime: str) -> tuple[
                      # The baselines run the filter on every request, as before native rules.
                      native_rules=name in ("headers-only", "body"))
     b = bootstrap(m)
-    if name == "no-filter":
+    if name in ("no-filter", "paired-base"):
         hcm = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"] = hcm["http_filters"][1:]
     path = work / f"{name}.json"
@@ -194,6 +198,43 @@ def attack(veg: str, work: Path, port: int, body: bytes, seconds: float, rate: i
     }
 
 
+def paired_latency(port: int, base_port: int, body: bytes, n: int) -> dict:
+    """p50/p99 of `n` sequential requests to `port` and to `base_port`, interleaved ABBA."""
+    import http.client
+
+    conns = {p: http.client.HTTPConnection("127.0.0.1", p, timeout=10) for p in (port, base_port)}
+    times: dict[int, list[float]] = {port: [], base_port: []}
+    headers = {"content-type": "application/json"}
+
+    def one(p: int) -> None:
+        t0 = time.perf_counter_ns()
+        conns[p].request("POST", "/v1/chat/completions", body=body, headers=headers)
+        r = conns[p].getresponse()
+        r.read()
+        times[p].append((time.perf_counter_ns() - t0) / 1000)
+        if r.status != 200:
+            raise RuntimeError(f"status {r.status}")
+
+    try:
+        for _ in range(50):  # warm-up
+            one(port), one(base_port)
+        for k in times:
+            times[k].clear()
+        for i in range(n):
+            for p in ((port, base_port) if i % 2 == 0 else (base_port, port)):
+                one(p)
+    finally:
+        for c in conns.values():
+            c.close()
+
+    def q(v: list[float], x: float) -> float:
+        v = sorted(v)
+        return v[min(len(v) - 1, int(x * len(v)))]
+
+    return {"p50_added_us": q(times[port], 0.5) - q(times[base_port], 0.5), "p99_added_us": q(times[port], 0.99) - q(times[base_port], 0.99),
+            "base_p50_us": q(times[base_port], 0.5)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -202,6 +243,7 @@ def main() -> int:
     ap.add_argument("--json", help="write all samples here")
     ap.add_argument("--runtime", default="envoy.wasm.runtime.v8", help="Wasm runtime (v8, wamr, wasmtime are in the wheel)")
     ap.add_argument("--sizes", default="2,32,200", help="body sizes in KB to run")
+    ap.add_argument("--paired", type=int, default=2000, help="requests per side of the paired latency run (0: skip)")
     args = ap.parse_args()
     veg = vegeta()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -213,6 +255,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="infermesh-bench-") as tmp:
         work = Path(tmp)
         sink, sink_port = start_sink(work)
+        # The no-filter Envoy the paired latency runs compare against, up for the whole run.
+        base_proc, base_port = start_variant(work, "paired-base", sink_port, args.runtime)
         try:
             for rnd in range(args.rounds):
                 for name, kb in cases:
@@ -221,21 +265,25 @@ def main() -> int:
                         attack(veg, work, port, bodies[kb], 1, None)  # warm-up: VM, connections
                         sat = attack(veg, work, port, bodies[kb], args.seconds, None, proc.p.pid)
                         fixed = attack(veg, work, port, bodies[kb], args.seconds, args.rate)
+                        paired = paired_latency(port, base_port, bodies[kb], args.paired) if args.paired else None
                     finally:
                         proc.stop()
                     key = f"{name}/{kb}KB"
-                    samples.setdefault(key, []).append({"saturation": sat, "fixed": fixed})
+                    samples.setdefault(key, []).append({"saturation": sat, "fixed": fixed, "paired": paired})
                     bad = [s for s in (sat, fixed) if s["success"] < 1]
                     print(f"round {rnd + 1}/{args.rounds} {key:18s} sat {sat['rps']:8.0f} rps {sat['envoy_cpu_us_per_request']:5.1f} cpu-us/req | @{args.rate}/s p50 {fixed['p50_us']:7.0f} us p99 {fixed['p99_us']:7.0f} us"
+                          + (f" | paired p50 +{paired['p50_added_us']:.1f} us p99 +{paired['p99_added_us']:.1f} us" if paired else "")
                           + (f"  NON-200: {[s['codes'] for s in bad]}" if bad else ""), flush=True)
         finally:
+            base_proc.stop()
             sink.stop()
 
     def med(key: str, part: str, field: str) -> float:
         return statistics.median(s[part][field] for s in samples[key])
 
-    print("\nmedian over rounds; ratio = variant / no-filter with the same body; added = variant - no-filter")
-    print(f"{'variant':18s} {'throughput':>10s} {'ratio':>6s} {'p50 added':>10s} {'p99 added':>10s} {'envoy CPU/req added':>20s}")
+    print("\nmedian over rounds; ratio = variant / no-filter with the same body; added = variant - no-filter;")
+    print("paired = one request at a time, interleaved with a no-filter Envoy beside it (the stable latency measure)")
+    print(f"{'variant':18s} {'throughput':>10s} {'ratio':>6s} {'@rate p50+':>10s} {'@rate p99+':>10s} {'paired p50+':>11s} {'paired p99+':>11s} {'CPU/req+':>9s}")
     summary = {}
     for name, kb in cases:
         key, base = f"{name}/{kb}KB", f"no-filter/{kb}KB"
@@ -243,9 +291,13 @@ def main() -> int:
         d50 = med(key, "fixed", "p50_us") - med(base, "fixed", "p50_us")
         d99 = med(key, "fixed", "p99_us") - med(base, "fixed", "p99_us")
         dcpu = med(key, "saturation", "envoy_cpu_us_per_request") - med(base, "saturation", "envoy_cpu_us_per_request")
+        paired = [s["paired"] for s in samples[key] if s["paired"]]
+        p50 = statistics.median(x["p50_added_us"] for x in paired) if paired else float("nan")
+        p99 = statistics.median(x["p99_added_us"] for x in paired) if paired else float("nan")
         summary[key] = {"throughput_ratio": round(ratio, 3), "p50_added_us": round(d50, 1), "p99_added_us": round(d99, 1),
+                        "paired_p50_added_us": round(p50, 1), "paired_p99_added_us": round(p99, 1),
                         "rps": round(med(key, "saturation", "rps")), "envoy_cpu_us_per_request_added": round(dcpu, 1)}
-        print(f"{key:18s} {med(key, 'saturation', 'rps'):10.0f} {ratio:6.2f} {d50:9.0f}us {d99:9.0f}us {dcpu:18.1f}us")
+        print(f"{key:18s} {med(key, 'saturation', 'rps'):10.0f} {ratio:6.2f} {d50:8.0f}us {d99:8.0f}us {p50:9.1f}us {p99:9.1f}us {dcpu:7.1f}us")
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "samples": samples, "args": vars(args)}, indent=2))
     return 0

@@ -237,8 +237,11 @@ def native_match(rule: dict) -> dict | None:
     else:
         return None
     headers = []
-    if m.get("methods"):
-        alternatives = "|".join(re.escape(x) for x in m["methods"])
+    methods = m.get("methods") or []
+    if len(methods) == 1:  # the common case, without a regex run per request
+        headers.append({"name": ":method", "string_match": {"exact": methods[0], "ignore_case": True}})
+    elif methods:
+        alternatives = "|".join(re.escape(x) for x in methods)
         headers.append({"name": ":method", "string_match": {"safe_regex": {"regex": f"(?i)(?:{alternatives})"}}})
     for h in m.get("headers", []):
         if "regex" in h:
