@@ -31,11 +31,11 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -100,7 +100,7 @@ class Drill:
 
     async def _arrivals(self, rate: float, make) -> None:
         """Open loop: start a request every 1/rate s (jittered), whatever the others are doing."""
-        rnd = random.Random(hash(make.__name__) & 0xFFFF)
+        rnd = random.Random(zlib.crc32(make.__name__.encode()))  # the same arrivals every run
         nxt = self.now()
         while not self.stop_load.is_set():
             self._spawn(make())
@@ -350,11 +350,6 @@ class InjectedReading(Scenario):
     async def cleanup(self, d: Drill) -> None:
         with contextlib.suppress(Exception):
             await _admin(d, d.fault_pool, "DELETE", "/admin/faults")
-
-
-def _burn() -> None:  # pragma: no cover - runs in the burner processes
-    while True:
-        pass
 
 
 class CpuPressure(Scenario):
