@@ -648,9 +648,12 @@ def run_cli(names: list[str], policy_path: Path | None, options: DrillOptions, a
 
     source = policy_path or LOCAL_POLICY
     try:
-        load_policy(source)
+        policy = load_policy(source)
     except PolicyError as e:
         say(f"invalid policy:\n{e}")
+        return 2
+    if options.fault_pool is not None and options.fault_pool not in policy.pools:
+        say(f"--pool {options.fault_pool!r} is not one of the pools {list(policy.pools)}")
         return 2
     run_dir = Path(tempfile.mkdtemp(prefix="infermesh-drill-"))
     policy_copy = run_dir / "policy.yaml"  # the invalid-policy drill writes over it, never over yours
