@@ -72,6 +72,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         started = time.monotonic()
         first = True
         last = started
+        itl = self.metrics.itl.labels("grpc", request_class)
         try:
             async for ev in self.engine.stream(req, adm):
                 if isinstance(ev, TokenDelta):
@@ -80,7 +81,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         self.metrics.ttft.labels("grpc", request_class).observe(now - started)
                         first = False
                     else:
-                        self.metrics.itl.labels("grpc", request_class).observe((now - last) / max(1, len(ev.token_ids)))
+                        itl.observe((now - last) / max(1, len(ev.token_ids)))
                     last = now
                     yield pb.GenerateResponse(request_id=rid, chunk=pb.TokenChunk(text=ev.text, token_ids=ev.token_ids, index=ev.index))
                 elif isinstance(ev, Completion):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -254,6 +254,25 @@ def _count(metrics: SidecarMetrics, final: Completion) -> None:
     metrics.completion_tokens.labels(final.model).inc(final.completion_tokens)
 
 
+def delta_framer(api: str, rid: str, created: int, model: str, include_usage: bool) -> Callable[[int, str], bytes]:
+    """The SSE frame of one token delta, byte for byte what `json.dumps(payload, separators=(",", ":"))`
+    gives for it, with everything but the index and the text encoded once per stream.
+
+    Streams are most of what this front writes: one frame per step per choice."""
+    obj = "chat.completion.chunk" if api == "chat" else "text_completion"
+    head = (
+        f'data: {{"id":{json.dumps(rid)},"object":"{obj}","created":{created},"model":{json.dumps(model)},"choices":[{{"index":'
+    ).encode()
+    mid = b',"delta":{"content":' if api == "chat" else b',"text":'
+    tail = (b"}" if api == "chat" else b"") + b',"logprobs":null,"finish_reason":null}]' + (b',"usage":null' if include_usage else b"") + b"}\n\n"
+    dumps = json.dumps
+
+    def frame(index: int, text: str) -> bytes:
+        return b"".join((head, str(index).encode(), mid, dumps(text).encode(), tail))
+
+    return frame
+
+
 async def _sse(
     api: str,
     rid: str,
@@ -275,6 +294,8 @@ async def _sse(
             payload["usage"] = usage
         return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
+    delta = delta_framer(api, rid, created, model, include_usage)
+    itl = metrics.itl.labels("http", request_class)
     status = "200"
     first = True
     last = 0.0
@@ -289,12 +310,9 @@ async def _sse(
                     metrics.ttft.labels("http", request_class).observe(now - started)
                     first = False
                 else:
-                    metrics.itl.labels("http", request_class).observe((now - last) / max(1, len(ev.token_ids)))
+                    itl.observe((now - last) / max(1, len(ev.token_ids)))
                 last = now
-                if api == "chat":
-                    yield chunk({"index": ev.index, "delta": {"content": ev.text}, "logprobs": None, "finish_reason": None})
-                else:
-                    yield chunk({"index": ev.index, "text": ev.text, "logprobs": None, "finish_reason": None})
+                yield delta(ev.index, ev.text)
             else:
                 _count(metrics, ev)
                 for i in range(n):

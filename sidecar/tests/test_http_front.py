@@ -133,3 +133,22 @@ def test_models_and_metrics(client):
     text = client.get("/metrics").text
     assert 'infermesh_sidecar_requests_total{api="completions",front="http",request_class="",status="200"} 1.0' in text
 
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_delta_frames_are_byte_for_byte_the_generic_encoding(api, include_usage):
+    from infermesh.sidecar.http_api import delta_framer
+
+    rid, model = 'cmpl-a"b\\c', "m-\u00e9\u4e2d"
+    frame = delta_framer(api, rid, 1733000000, model, include_usage)
+    texts = ["", " hello", 'q"uote', "back\\slash", "nl\n\ttab\r", "\x00\x1f\x7f", "\u00e9\u4e2d\U0001f600", "\ud800"]
+    for index in (0, 7, 123):
+        for text in texts:
+            choice = {"index": index, "delta": {"content": text}} if api == "chat" else {"index": index, "text": text}
+            choice |= {"logprobs": None, "finish_reason": None}
+            payload = {"id": rid, "object": "chat.completion.chunk" if api == "chat" else "text_completion",
+                       "created": 1733000000, "model": model, "choices": [choice]}
+            if include_usage:
+                payload["usage"] = None
+            assert frame(index, text) == b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
