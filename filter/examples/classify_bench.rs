@@ -1,5 +1,6 @@
 //! Native cost of the pure decision logic (no Envoy, no Wasm): classification on headers and
-//! JSON body scanning for 2, 32 and 200 KB chat bodies. Run with
+//! JSON body scanning for 2, 32 and 200 KB chat bodies, the hand-written scanner beside the
+//! serde_json one it replaced (tests/common/serde_scanner.rs). Run with
 //! `cargo run --release --example classify_bench`. It explains how much of the filter's cost in
 //! Envoy is its own logic and how much is proxy-wasm host calls (filter/bench/run_bench.py).
 
@@ -8,6 +9,9 @@ use infermesh_filter::classify::{classify, Body, RequestView};
 use infermesh_filter::config::FilterConfig;
 use std::hint::black_box;
 use std::time::Instant;
+
+#[path = "../tests/common/serde_scanner.rs"]
+mod serde_scanner;
 
 struct Req(Vec<(String, String)>);
 
@@ -34,7 +38,7 @@ fn chat_body(size: usize) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({"model": "llama-3-70b", "stream": true, "max_tokens": 256, "messages": msgs})).unwrap()
 }
 
-fn time<F: FnMut()>(label: &str, mut f: F) {
+fn time<F: FnMut()>(label: &str, mut f: F) -> f64 {
     let mut iters = 1u64;
     loop {
         let t = Instant::now();
@@ -43,8 +47,9 @@ fn time<F: FnMut()>(label: &str, mut f: F) {
         }
         let el = t.elapsed();
         if el.as_millis() >= 300 {
-            println!("{label:32} {:10.2} us/op", el.as_secs_f64() * 1e6 / iters as f64);
-            return;
+            let us = el.as_secs_f64() * 1e6 / iters as f64;
+            println!("{label:32} {us:10.2} us/op");
+            return us;
         }
         iters *= 2;
     }
@@ -71,9 +76,14 @@ fn main() {
     });
     for kb in [2usize, 32, 200] {
         let b = chat_body(kb * 1024);
-        time(&format!("parse_body {kb} KB"), || {
+        assert_eq!(parse_body(&b), serde_scanner::parse_body(&b));
+        let new = time(&format!("parse_body {kb} KB"), || {
             black_box(parse_body(black_box(&b)).ok());
         });
+        let old = time(&format!("parse_body {kb} KB (serde_json)"), || {
+            black_box(serde_scanner::parse_body(black_box(&b)).ok());
+        });
+        println!("{:32} {:10.2}x faster", "", old / new);
         let facts = parse_body(&b).unwrap();
         time(&format!("classify with {kb} KB body facts"), || {
             black_box(classify(&cfg, &req, Body::Parsed(black_box(&facts))));

@@ -1,38 +1,33 @@
 //! Facts about an OpenAI-style JSON request body, read in one pass without building a DOM.
 //!
 //! Only the top-level fields the rules can look at are kept; everything else is skipped by the
-//! parser. Strings are measured, not stored (except the short `model`, `priority` and
+//! scanner. Strings are measured, not stored (except the short `model`, `priority` and
 //! `service_tier`). Wrong types never fail the parse: a field of an unexpected type is treated
 //! as absent, so one odd field cannot turn a whole request into a fallback. Input that is not
 //! JSON at all is an error, which the caller turns into the documented header-only decision.
+//!
+//! The scanner is hand-written. It accepts and refuses exactly what the serde_json visitors it
+//! replaced did (serde_json 1.0.128; tests/common/serde_scanner.rs keeps them, and the fuzz test
+//! compares the two), which is not quite "valid JSON":
+//! - where a value is *read* (top-level keys and the fields below, message keys and contents,
+//!   text parts), strings are validated as serde_json parses a `&str`: UTF-8, escapes, paired
+//!   `\u` surrogates; numbers must fit an f64 (`1e400` is refused);
+//! - where a value is *skipped* (any other field, a message's `role`, tools, …) only the
+//!   grammar is checked, as serde_json's `IgnoredAny` does: bytes inside skipped strings are not
+//!   UTF-8-checked, a `\u` escape needs four hex digits but no surrogate pairing, numbers any
+//!   size; nesting has no depth limit there (serde_json skips with a heap stack, and so does
+//!   this), and the values that are read are at most 6 levels deep, far from its limit of 128.
+//!
+//! Strings, most of a chat body, are scanned 8 bytes at a time (SWAR on a u64): the next `"`,
+//! `\` or control byte, and whether any byte ≥ 0x80 came before it. A run of ASCII is then
+//! counted by its length alone; only a run with other bytes is UTF-8-validated and its
+//! characters counted (bytes that are not 0b10xxxxxx continuation bytes, also a word at a time).
+//! serde_json made three passes over each content string (find its end, validate it, count it).
+//! Floats and over-long integers where a value is read, and strings with escapes that must be
+//! kept (an escaped `model`) or matched (an escaped key), are rare: serde_json itself decodes
+//! those few tokens, so their edge cases (range, rounding, decoding) stay its own.
 
-use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-use std::fmt;
-
-/// Visitor methods for the JSON scalars a visitor does not care about: each yields `$v`.
-macro_rules! other_scalars {
-    ($t:ty, $v:expr; $($m:ident: $a:ty),*) => {
-        $(fn $m<E>(self, _: $a) -> Result<$t, E> { Ok($v) })*
-    };
-    ($t:ty, $v:expr) => {
-        other_scalars!($t, $v; visit_bool: bool, visit_u64: u64, visit_i64: i64, visit_f64: f64, visit_str: &str);
-        fn visit_unit<E>(self) -> Result<$t, E> { Ok($v) }
-    };
-}
-
-/// Visitor methods that skip a whole array or object and yield `$v`.
-macro_rules! skip_composites {
-    ($t:ty, $v:expr) => {
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<$t, A::Error> {
-            while seq.next_element::<IgnoredAny>()?.is_some() {}
-            Ok($v)
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<$t, A::Error> {
-            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-            Ok($v)
-        }
-    };
-}
+use std::borrow::Cow;
 
 /// Longest `model` / `priority` / `service_tier` value kept; longer values are cut (at a char
 /// boundary) — no rule needs more, and it bounds what one request can make the filter hold.
@@ -63,50 +58,120 @@ impl BodyFacts {
     }
 }
 
-/// Parse a body. `Err` means it is not a JSON object (garbage, truncated, nested too deeply).
+/// Parse a body. `Err` means it is not a JSON object (garbage, truncated, bad escapes, …).
 pub fn parse_body(bytes: &[u8]) -> Result<BodyFacts, String> {
-    let mut de = serde_json::Deserializer::from_slice(bytes);
-    let facts = de.deserialize_map(TopVisitor).map_err(|e| e.to_string())?;
-    de.end().map_err(|e| e.to_string())?;
-    Ok(facts)
+    Scanner { b: bytes, i: 0 }.body().map_err(|Bad(why, at)| format!("{why} at byte {at}"))
 }
 
-struct TopVisitor;
+/// Why and where a body was refused.
+struct Bad(&'static str, usize);
 
-impl<'de> Visitor<'de> for TopVisitor {
-    type Value = BodyFacts;
+type Res<T> = Result<T, Bad>;
 
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a JSON object")
-    }
+const ONES: u64 = 0x0101_0101_0101_0101;
+const HIGH: u64 = 0x8080_8080_8080_8080;
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<BodyFacts, A::Error> {
-        let mut facts = BodyFacts::default();
-        // Duplicate keys: the last one wins, as in every JSON library the sidecar might use.
-        let (mut message_chars, mut prompt_chars) = (0u64, 0u64);
-        while let Some(key) = map.next_key::<Key>()? {
-            match key {
-                Key::Stream => facts.stream = map.next_value::<Scalar>()?.as_bool(),
-                Key::MaxTokens => facts.max_tokens = map.next_value::<Scalar>()?.as_u64(),
-                Key::MaxCompletionTokens => facts.max_completion_tokens = map.next_value::<Scalar>()?.as_u64(),
-                Key::N => facts.n = map.next_value::<Scalar>()?.as_u64(),
-                Key::Model => facts.model = map.next_value::<Scalar>()?.into_string(),
-                Key::Priority => facts.priority = map.next_value::<Scalar>()?.into_string_or_int(),
-                Key::ServiceTier => facts.service_tier = map.next_value::<Scalar>()?.into_string(),
-                Key::Messages => {
-                    let (count, chars) = map.next_value_seed(MessagesSeed)?;
-                    facts.message_count = count;
-                    message_chars = chars;
-                }
-                Key::Prompt => prompt_chars = map.next_value_seed(TextSeed)?,
-                Key::Other => {
-                    map.next_value::<IgnoredAny>()?;
-                }
+/// Bit 7 of a byte of the result is set where `w` has a byte that ends a run of plain string
+/// bytes: `"`, `\` or a control byte (< 0x20). The lowest set bit is exact; bits above it may be
+/// false positives (a borrow runs up from the first match), so only the lowest is used.
+/// Flipping bit 1 maps `"` (0x22) to 0x20 and keeps control bytes below 0x20, so one
+/// "byte < 0x21" test finds both; a second finds `\`.
+#[inline(always)]
+fn stops(w: u64) -> u64 {
+    let ctrl_or_quote = w ^ (ONES * 0x02);
+    let backslash = w ^ (ONES * u64::from(b'\\'));
+    // Bytes ≥ 0x80 have bit 7 set in all three words: `& !w` drops them.
+    (ctrl_or_quote.wrapping_sub(ONES * 0x21) | backslash.wrapping_sub(ONES)) & !w & HIGH
+}
+
+/// The index of the first `"`, `\` or control byte at or after `from` (`b.len()` if none), and,
+/// when `HIGH_BYTES`, whether a byte ≥ 0x80 came before it. Two words per step.
+#[inline(always)]
+fn find_stop<const HIGH_BYTES: bool>(b: &[u8], from: usize) -> (usize, bool) {
+    let rest = b.get(from..).unwrap_or(&[]);
+    let mut high = 0u64;
+    let mut at = from;
+    let mut pairs = rest.chunks_exact(16);
+    for pair in &mut pairs {
+        let (lo, hi) = pair.split_at(8);
+        let w0 = u64::from_le_bytes(lo.try_into().unwrap_or([0; 8]));
+        let w1 = u64::from_le_bytes(hi.try_into().unwrap_or([0; 8]));
+        let (m0, m1) = (stops(w0), stops(w1));
+        if m0 | m1 != 0 {
+            let (w, m, at) = if m0 != 0 { (w0, m0, at) } else { (w1, m1, at + 8) };
+            if HIGH_BYTES && m0 == 0 {
+                high |= w0;
             }
+            return stop_in(w, m, at, high);
         }
-        facts.prompt_chars = message_chars.saturating_add(prompt_chars);
-        Ok(facts)
+        if HIGH_BYTES {
+            high |= w0 | w1;
+        }
+        at += 16;
     }
+    let tail = pairs.remainder();
+    if tail.len() >= 8 {
+        let w = u64::from_le_bytes(tail.get(..8).and_then(|x| x.try_into().ok()).unwrap_or([0; 8]));
+        let m = stops(w);
+        if m != 0 {
+            return stop_in(w, m, at, high);
+        }
+        high |= w;
+        at += 8;
+    }
+    for &c in tail.get(8..).unwrap_or(tail) {
+        if c == b'"' || c == b'\\' || c < 0x20 {
+            break;
+        }
+        high |= u64::from(c);
+        at += 1;
+    }
+    (at, high & HIGH != 0)
+}
+
+/// The stop in word `w` (at `at`, `m = stops(w) != 0`), with the bytes ≥ 0x80 seen before it.
+#[inline(always)]
+fn stop_in(w: u64, m: u64, at: usize, high: u64) -> (usize, bool) {
+    let k = m.trailing_zeros() as usize / 8;
+    // Only the k bytes before the stop count (little-endian: the low ones).
+    let before = w & (1u64 << (8 * k)).wrapping_sub(1);
+    (at + k, (high | before) & HIGH != 0)
+}
+
+/// Characters of a run of string bytes that has bytes ≥ 0x80: `None` if it is not UTF-8.
+fn utf8_chars(run: &[u8]) -> Option<u64> {
+    std::str::from_utf8(run).ok()?;
+    let mut continuation = 0u64;
+    let mut words = run.chunks_exact(8);
+    for chunk in &mut words {
+        let w = u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8]));
+        // 0b10xxxxxx: bit 7 set and bit 6 (shifted up into bit 7's place) clear.
+        continuation += u64::from((w & !(w << 1) & HIGH).count_ones());
+    }
+    continuation += words.remainder().iter().filter(|&&c| c & 0xC0 == 0x80).count() as u64;
+    Some((run.len() as u64).saturating_sub(continuation))
+}
+
+/// A string that was read (validated): its contents are `b[start..end]`, raw.
+struct Str {
+    start: usize,
+    end: usize,
+    chars: u64,
+    escaped: bool,
+}
+
+/// A value as serde_json's `deserialize_any` meets it: scalars read whole (strings and numbers
+/// validated), a composite only seen (the position stays on its bracket).
+enum Tok {
+    Str(Str),
+    Int(u64),
+    /// Negative integers (i64 range, -0 excluded: serde_json reads that as the f64 -0.0).
+    Neg(i64),
+    Float,
+    Bool(bool),
+    Null,
+    Array,
+    Object,
 }
 
 enum Key {
@@ -122,315 +187,590 @@ enum Key {
     Other,
 }
 
-impl<'de> de::Deserialize<'de> for Key {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Key;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a key")
+/// The depth-first stack of the containers a skipped value is inside (`true`: an object); the
+/// first 64 levels in a word, deeper ones on the heap, so any depth is skipped.
+struct Frames {
+    depth: usize,
+    low: u64,
+    deep: Vec<u64>,
+}
+
+impl Frames {
+    fn push(&mut self, object: bool) {
+        let d = self.depth;
+        if d < 64 {
+            self.low = (self.low & !(1 << d)) | (u64::from(object) << d);
+        } else {
+            let (word, bit) = ((d - 64) / 64, (d - 64) % 64);
+            if word >= self.deep.len() {
+                self.deep.push(0);
             }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<Key, E> {
-                Ok(match s {
-                    "stream" => Key::Stream,
-                    "max_tokens" => Key::MaxTokens,
-                    "max_completion_tokens" => Key::MaxCompletionTokens,
-                    "n" => Key::N,
-                    "model" => Key::Model,
-                    "priority" => Key::Priority,
-                    "service_tier" => Key::ServiceTier,
-                    "messages" => Key::Messages,
-                    "prompt" => Key::Prompt,
-                    _ => Key::Other,
-                })
+            if let Some(x) = self.deep.get_mut(word) {
+                *x = (*x & !(1 << bit)) | (u64::from(object) << bit);
             }
         }
-        d.deserialize_str(V)
+        self.depth += 1;
+    }
+    /// The innermost container: `Some(true)` for an object, `None` outside any.
+    fn top(&self) -> Option<bool> {
+        let d = self.depth.checked_sub(1)?;
+        Some(if d < 64 {
+            self.low >> d & 1 == 1
+        } else {
+            self.deep.get((d - 64) / 64).map_or(false, |x| x >> ((d - 64) % 64) & 1 == 1)
+        })
+    }
+    fn pop(&mut self) {
+        self.depth = self.depth.saturating_sub(1);
     }
 }
 
-/// Any JSON value, reduced to what a scalar rule can use.
-enum Scalar {
-    Bool(bool),
-    Int(u64),
-    NegInt(i64),
-    Str(String),
-    Other,
+struct Scanner<'a> {
+    b: &'a [u8],
+    i: usize,
 }
 
-impl Scalar {
-    fn as_bool(&self) -> Option<bool> {
-        match self {
-            Scalar::Bool(b) => Some(*b),
-            _ => None,
+impl<'a> Scanner<'a> {
+    /// The next byte that is not JSON whitespace (not consumed).
+    #[inline(always)]
+    fn peek(&mut self) -> Option<u8> {
+        while let Some(&c) = self.b.get(self.i) {
+            if !matches!(c, b' ' | b'\n' | b'\t' | b'\r') {
+                return Some(c);
+            }
+            self.i += 1;
         }
+        None
     }
-    fn as_u64(&self) -> Option<u64> {
-        match self {
-            Scalar::Int(i) => Some(*i),
-            _ => None,
+
+    fn next_byte(&mut self) -> Option<u8> {
+        let c = self.b.get(self.i).copied();
+        self.i += usize::from(c.is_some());
+        c
+    }
+
+    fn bad<T>(&self, why: &'static str) -> Res<T> {
+        Err(Bad(why, self.i))
+    }
+
+    fn literal(&mut self, word: &[u8]) -> Res<()> {
+        if self.b.get(self.i..self.i + word.len()) != Some(word) {
+            return self.bad("invalid literal");
         }
+        self.i += word.len();
+        Ok(())
     }
-    fn into_string(self) -> Option<String> {
-        match self {
-            Scalar::Str(s) => Some(s),
-            _ => None,
+
+    /// Four hex digits of a `\u` escape.
+    fn hex4(&mut self) -> Res<u16> {
+        let mut n = 0u16;
+        for _ in 0..4 {
+            let d = match self.next_byte() {
+                Some(c @ b'0'..=b'9') => c - b'0',
+                Some(c @ b'a'..=b'f') => c - b'a' + 10,
+                Some(c @ b'A'..=b'F') => c - b'A' + 10,
+                _ => return self.bad("invalid \\u escape"),
+            };
+            n = n << 4 | u16::from(d);
         }
+        Ok(n)
     }
-    fn into_string_or_int(self) -> Option<String> {
-        match self {
-            Scalar::Str(s) => Some(s),
-            Scalar::Int(i) => Some(i.to_string()),
-            Scalar::NegInt(i) => Some(i.to_string()),
-            _ => None,
-        }
-    }
-}
 
-fn keep(s: &str) -> String {
-    if s.len() <= MAX_KEPT_STRING {
-        return s.to_string();
-    }
-    let mut end = MAX_KEPT_STRING;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
-}
-
-impl<'de> de::Deserialize<'de> for Scalar {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Scalar, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Scalar;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("any value")
-            }
-            fn visit_bool<E>(self, b: bool) -> Result<Scalar, E> {
-                Ok(Scalar::Bool(b))
-            }
-            fn visit_u64<E>(self, i: u64) -> Result<Scalar, E> {
-                Ok(Scalar::Int(i))
-            }
-            fn visit_i64<E>(self, i: i64) -> Result<Scalar, E> {
-                Ok(if i >= 0 { Scalar::Int(i as u64) } else { Scalar::NegInt(i) })
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<Scalar, E> {
-                Ok(Scalar::Other)
-            }
-            fn visit_str<E>(self, s: &str) -> Result<Scalar, E> {
-                Ok(Scalar::Str(keep(s)))
-            }
-            fn visit_unit<E>(self) -> Result<Scalar, E> {
-                Ok(Scalar::Other)
-            }
-            skip_composites!(Scalar, Scalar::Other);
-        }
-        d.deserialize_any(V)
-    }
-}
-
-/// Characters of text in a value: a string, or an array of strings / text parts
-/// (`{"type": "text", "text": "..."}`); token-id arrays count one per token. Other shapes: 0.
-struct TextSeed;
-
-impl<'de> DeserializeSeed<'de> for TextSeed {
-    type Value = u64;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
-        d.deserialize_any(TextVisitor { depth: 0 })
-    }
-}
-
-struct TextVisitor {
-    depth: u8,
-}
-
-impl<'de> Visitor<'de> for TextVisitor {
-    type Value = u64;
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("text")
-    }
-    fn visit_str<E>(self, s: &str) -> Result<u64, E> {
-        Ok(s.chars().count() as u64)
-    }
-    other_scalars!(u64, 0; visit_bool: bool, visit_f64: f64);
-    fn visit_u64<E>(self, _: u64) -> Result<u64, E> {
-        Ok(u64::from(self.depth > 0))
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<u64, E> {
-        Ok(u64::from(self.depth > 0))
-    }
-    fn visit_unit<E>(self) -> Result<u64, E> {
-        Ok(0)
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<u64, A::Error> {
-        let mut total: u64 = 0;
-        if self.depth >= 1 {
-            while seq.next_element::<IgnoredAny>()?.is_some() {}
-            return Ok(0);
-        }
-        while let Some(n) = seq.next_element_seed(TextElemSeed { depth: self.depth + 1 })? {
-            total = total.saturating_add(n);
-        }
-        Ok(total)
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<u64, A::Error> {
-        // A content part: only its "text" counts (the last one, if repeated).
-        let mut total: u64 = 0;
-        while let Some(k) = map.next_key::<Key2>()? {
-            if k.0 {
-                total = map.next_value_seed(StrLenSeed)?;
-            } else {
-                map.next_value::<IgnoredAny>()?;
-            }
-        }
-        Ok(total)
-    }
-}
-
-struct TextElemSeed {
-    depth: u8,
-}
-
-impl<'de> DeserializeSeed<'de> for TextElemSeed {
-    type Value = u64;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
-        d.deserialize_any(TextVisitor { depth: self.depth })
-    }
-}
-
-/// `true` for the key "text".
-struct Key2(bool);
-
-impl<'de> de::Deserialize<'de> for Key2 {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key2, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Key2;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a key")
-            }
-            fn visit_str<E>(self, s: &str) -> Result<Key2, E> {
-                Ok(Key2(s == "text"))
-            }
-        }
-        d.deserialize_str(V)
-    }
-}
-
-/// Characters of a string value; 0 for anything else (skipped).
-struct StrLenSeed;
-
-impl<'de> DeserializeSeed<'de> for StrLenSeed {
-    type Value = u64;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
-        match Scalar::deserialize_len(d)? {
-            Some(n) => Ok(n),
-            None => Ok(0),
-        }
-    }
-}
-
-impl Scalar {
-    fn deserialize_len<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Option<u64>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_str<E>(self, s: &str) -> Result<Option<u64>, E> {
-                Ok(Some(s.chars().count() as u64))
-            }
-            other_scalars!(Option<u64>, None; visit_bool: bool, visit_u64: u64, visit_i64: i64, visit_f64: f64);
-            fn visit_unit<E>(self) -> Result<Option<u64>, E> {
-                Ok(None)
-            }
-            skip_composites!(Option<u64>, None);
-        }
-        d.deserialize_any(V)
-    }
-}
-
-/// `messages`: (count, characters of text content). Non-array values count as no messages.
-struct MessagesSeed;
-
-impl<'de> DeserializeSeed<'de> for MessagesSeed {
-    type Value = (u64, u64);
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(u64, u64), D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = (u64, u64);
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a list of messages")
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(u64, u64), A::Error> {
-                let (mut count, mut chars) = (0u64, 0u64);
-                while let Some(c) = seq.next_element_seed(MessageSeed)? {
-                    count += 1;
-                    chars = chars.saturating_add(c);
+    /// After a backslash. `read`: as serde_json parsing a `&str` (a `\u` surrogate must be a
+    /// leading one followed by `\u` and a trailing one); else as it skips a string (any four
+    /// hex digits). Every escape of a read string is one character.
+    fn escape(&mut self, read: bool) -> Res<()> {
+        match self.next_byte() {
+            Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => Ok(()),
+            Some(b'u') => {
+                let n = self.hex4()?;
+                if !read {
+                    return Ok(());
                 }
-                Ok((count, chars))
+                match n {
+                    0xDC00..=0xDFFF => self.bad("lone trailing surrogate"),
+                    0xD800..=0xDBFF => {
+                        if self.next_byte() != Some(b'\\') || self.next_byte() != Some(b'u') {
+                            return self.bad("lone leading surrogate");
+                        }
+                        match self.hex4()? {
+                            0xDC00..=0xDFFF => Ok(()),
+                            _ => self.bad("lone leading surrogate"),
+                        }
+                    }
+                    _ => Ok(()),
+                }
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(u64, u64), A::Error> {
-                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                Ok((0, 0))
-            }
-            other_scalars!((u64, u64), (0, 0));
+            _ => self.bad("invalid escape"),
         }
-        d.deserialize_any(V)
     }
-}
 
-/// One message: the characters of its `content` (a string or text parts).
-struct MessageSeed;
-
-impl<'de> DeserializeSeed<'de> for MessageSeed {
-    type Value = u64;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = u64;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a message")
+    /// A string that is read, after its opening quote: validated, its characters counted.
+    fn string(&mut self) -> Res<Str> {
+        let start = self.i;
+        let (mut chars, mut escaped) = (0u64, false);
+        loop {
+            let (stop, high) = find_stop::<true>(self.b, self.i);
+            let run = self.b.get(self.i..stop).unwrap_or(&[]);
+            let n = if high {
+                match utf8_chars(run) {
+                    Some(n) => n,
+                    None => return self.bad("invalid UTF-8 in a string"),
+                }
+            } else {
+                run.len() as u64
+            };
+            chars = chars.saturating_add(n);
+            self.i = stop;
+            match self.next_byte() {
+                Some(b'"') => return Ok(Str { start, end: stop, chars, escaped }),
+                Some(b'\\') => {
+                    self.escape(true)?;
+                    chars = chars.saturating_add(1);
+                    escaped = true;
+                }
+                Some(_) => return self.bad("control character in a string"),
+                None => return self.bad("unterminated string"),
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<u64, A::Error> {
-                let mut chars = 0u64;
-                while let Some(k) = map.next_key::<ContentKey>()? {
-                    if k.0 {
-                        chars = map.next_value_seed(TextSeed)?;
+        }
+    }
+
+    /// A string that is skipped, after its opening quote.
+    fn skip_string(&mut self) -> Res<()> {
+        loop {
+            let (stop, _) = find_stop::<false>(self.b, self.i);
+            self.i = stop;
+            match self.next_byte() {
+                Some(b'"') => return Ok(()),
+                Some(b'\\') => self.escape(false)?,
+                Some(_) => return self.bad("control character in a string"),
+                None => return self.bad("unterminated string"),
+            }
+        }
+    }
+
+    /// The decoded bytes of a read string (borrowed unless it has escapes: serde_json decodes
+    /// those, on the string's own bytes).
+    fn decoded(&self, s: &Str) -> Res<Cow<'a, [u8]>> {
+        let raw = self.b.get(s.start..s.end).unwrap_or(&[]);
+        if !s.escaped {
+            return Ok(Cow::Borrowed(raw));
+        }
+        let quoted = self.b.get(s.start.saturating_sub(1)..s.end + 1).unwrap_or(&[]);
+        match serde_json::from_slice::<String>(quoted) {
+            Ok(t) => Ok(Cow::Owned(t.into_bytes())),
+            Err(_) => Err(Bad("invalid string", s.start)),
+        }
+    }
+
+    /// A kept string (`model`, …), cut to MAX_KEPT_STRING bytes at a character boundary.
+    fn kept(&self, s: &Str) -> Res<String> {
+        let bytes = self.decoded(s)?;
+        let mut end = bytes.len().min(MAX_KEPT_STRING);
+        while end > 0 && bytes.get(end).map_or(false, |&c| c & 0xC0 == 0x80) {
+            end -= 1;
+        }
+        match std::str::from_utf8(bytes.get(..end).unwrap_or(&[])) {
+            Ok(t) => Ok(t.to_string()),
+            Err(_) => Err(Bad("invalid UTF-8 in a string", s.start)),
+        }
+    }
+
+    /// Past a number (the position is on it), as JSON's grammar has it: all serde_json checks
+    /// where it skips one. `true` for an integer (no fraction, no exponent).
+    fn number_token(&mut self) -> Res<bool> {
+        let digit = |c: Option<&u8>| matches!(c, Some(b'0'..=b'9'));
+        let b = self.b;
+        let mut i = self.i;
+        if b.get(i) == Some(&b'-') {
+            i += 1;
+        }
+        match b.get(i) {
+            Some(b'0') => {
+                i += 1;
+                if digit(b.get(i)) {
+                    return Err(Bad("leading zero", i));
+                }
+            }
+            Some(b'1'..=b'9') => {
+                i += 1;
+                while digit(b.get(i)) {
+                    i += 1;
+                }
+            }
+            _ => return Err(Bad("invalid number", i)),
+        }
+        let mut integer = true;
+        if b.get(i) == Some(&b'.') {
+            integer = false;
+            i += 1;
+            if !digit(b.get(i)) {
+                return Err(Bad("invalid number", i));
+            }
+            while digit(b.get(i)) {
+                i += 1;
+            }
+        }
+        if matches!(b.get(i), Some(b'e' | b'E')) {
+            integer = false;
+            i += 1;
+            if matches!(b.get(i), Some(b'+' | b'-')) {
+                i += 1;
+            }
+            if !digit(b.get(i)) {
+                return Err(Bad("invalid number", i));
+            }
+            while digit(b.get(i)) {
+                i += 1;
+            }
+        }
+        self.i = i;
+        Ok(integer)
+    }
+
+    /// A number that is read: an integer as serde_json types it (u64, negative i64, else f64),
+    /// and refused where serde_json refuses it (an f64 that overflows).
+    fn number(&mut self) -> Res<Tok> {
+        let start = self.i;
+        let integer = self.number_token()?;
+        let token = self.b.get(start..self.i).unwrap_or(&[]);
+        if integer {
+            let (negative, digits) = match token.split_first() {
+                Some((b'-', rest)) => (true, rest),
+                _ => (false, token),
+            };
+            let value = digits.iter().try_fold(0u64, |n, &c| n.checked_mul(10)?.checked_add(u64::from(c.wrapping_sub(b'0'))));
+            if let Some(n) = value {
+                if !negative {
+                    return Ok(Tok::Int(n));
+                }
+                // serde_json: -0 and values below i64::MIN are f64s.
+                let neg = (n as i64).wrapping_neg();
+                return Ok(if neg >= 0 { Tok::Float } else { Tok::Neg(neg) });
+            }
+        }
+        // A fraction, an exponent or an integer past u64: an f64, which serde_json refuses if
+        // it overflows (`1e400`); it decides, on this token alone, by the same code path.
+        match serde_json::from_slice::<f64>(token) {
+            Ok(_) => Ok(Tok::Float),
+            Err(_) => Err(Bad("number out of range", start)),
+        }
+    }
+
+    /// The next value, as serde_json's `deserialize_any` starts it.
+    fn any(&mut self) -> Res<Tok> {
+        Ok(match self.peek() {
+            Some(b'"') => {
+                self.i += 1;
+                Tok::Str(self.string()?)
+            }
+            Some(b'[') => Tok::Array,
+            Some(b'{') => Tok::Object,
+            Some(b't') => {
+                self.literal(b"true")?;
+                Tok::Bool(true)
+            }
+            Some(b'f') => {
+                self.literal(b"false")?;
+                Tok::Bool(false)
+            }
+            Some(b'n') => {
+                self.literal(b"null")?;
+                Tok::Null
+            }
+            Some(b'-' | b'0'..=b'9') => self.number()?,
+            _ => return self.bad("expected a value"),
+        })
+    }
+
+    /// After `any`, for a visitor that does not look inside a composite: an array is skipped
+    /// whole (`IgnoredAny` elements), an object entry by entry (its keys are read, as serde_json
+    /// reads map keys even into `IgnoredAny`; its values are skipped).
+    fn skip_composite(&mut self, t: &Tok) -> Res<()> {
+        match t {
+            Tok::Array => self.skip_value(),
+            Tok::Object => {
+                self.i += 1;
+                let mut first = true;
+                while self.key(&mut first)?.is_some() {
+                    self.skip_value()?;
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The next key of an object that is read (after its `{` or a value), positioned after its
+    /// `:`; `None`, past the `}`, at the end.
+    fn key(&mut self, first: &mut bool) -> Res<Option<Str>> {
+        match self.peek() {
+            Some(b'}') => {
+                self.i += 1;
+                return Ok(None);
+            }
+            Some(b',') if !*first => {
+                self.i += 1;
+                if self.peek() != Some(b'"') {
+                    return self.bad("expected a key");
+                }
+            }
+            Some(b'"') if *first => {}
+            _ => return self.bad("expected a key"),
+        }
+        *first = false;
+        self.i += 1;
+        let k = self.string()?;
+        self.colon()?;
+        Ok(Some(k))
+    }
+
+    fn colon(&mut self) -> Res<()> {
+        if self.peek() != Some(b':') {
+            return self.bad("expected ':'");
+        }
+        self.i += 1;
+        Ok(())
+    }
+
+    /// Whether an array that is read (after its `[` or an element) has another element;
+    /// past the `]` when not.
+    fn element(&mut self, first: &mut bool) -> Res<bool> {
+        match self.peek() {
+            Some(b']') => {
+                self.i += 1;
+                return Ok(false);
+            }
+            Some(b',') if !*first => {
+                self.i += 1;
+                if matches!(self.peek(), Some(b']') | None) {
+                    return self.bad("expected a value");
+                }
+            }
+            Some(_) if *first => {}
+            _ => return self.bad("expected ',' or ']'"),
+        }
+        *first = false;
+        Ok(true)
+    }
+
+    fn key_is(&self, k: &Str, name: &[u8]) -> Res<bool> {
+        Ok(if k.escaped { *self.decoded(k)? == *name } else { self.b.get(k.start..k.end) == Some(name) })
+    }
+
+    /// Skip one value (serde_json's `IgnoredAny`): the grammar only, any depth, no recursion.
+    fn skip_value(&mut self) -> Res<()> {
+        let mut frames = Frames { depth: 0, low: 0, deep: Vec::new() };
+        loop {
+            match self.peek() {
+                Some(b'"') => {
+                    self.i += 1;
+                    self.skip_string()?;
+                }
+                Some(b'[') => {
+                    self.i += 1;
+                    if self.peek() == Some(b']') {
+                        self.i += 1;
                     } else {
-                        map.next_value::<IgnoredAny>()?;
+                        frames.push(false);
+                        continue;
                     }
                 }
-                Ok(chars)
+                Some(b'{') => {
+                    self.i += 1;
+                    match self.peek() {
+                        Some(b'}') => self.i += 1,
+                        Some(b'"') => {
+                            frames.push(true);
+                            self.skip_key()?;
+                            continue;
+                        }
+                        _ => return self.bad("expected a key"),
+                    }
+                }
+                Some(b't') => self.literal(b"true")?,
+                Some(b'f') => self.literal(b"false")?,
+                Some(b'n') => self.literal(b"null")?,
+                Some(b'-' | b'0'..=b'9') => {
+                    self.number_token()?;
+                }
+                _ => return self.bad("expected a value"),
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<u64, A::Error> {
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(0)
+            // A value ended: close the containers that end with it, up to the next one.
+            loop {
+                let object = match frames.top() {
+                    Some(o) => o,
+                    None => return Ok(()),
+                };
+                match self.peek() {
+                    Some(b',') => {
+                        self.i += 1;
+                        if object {
+                            if self.peek() != Some(b'"') {
+                                return self.bad("expected a key");
+                            }
+                            self.skip_key()?;
+                        }
+                        break;
+                    }
+                    Some(b']') if !object => {}
+                    Some(b'}') if object => {}
+                    _ => return self.bad("expected ',' or the end of a container"),
+                }
+                self.i += 1;
+                frames.pop();
             }
-            other_scalars!(u64, 0);
         }
-        d.deserialize_any(V)
+    }
+
+    /// A key of a skipped object (position on its quote) and its `:`.
+    fn skip_key(&mut self) -> Res<()> {
+        self.i += 1;
+        self.skip_string()?;
+        self.colon()
+    }
+
+    /// The whole body: one object, then only whitespace.
+    fn body(&mut self) -> Res<BodyFacts> {
+        if self.peek() != Some(b'{') {
+            return self.bad("not a JSON object");
+        }
+        self.i += 1;
+        let mut facts = BodyFacts::default();
+        // Duplicate keys: the last one wins, as in every JSON library the sidecar might use.
+        let (mut message_chars, mut prompt_chars) = (0u64, 0u64);
+        let mut first = true;
+        while let Some(k) = self.key(&mut first)? {
+            let key = match &*self.decoded(&k)? {
+                b"stream" => Key::Stream,
+                b"max_tokens" => Key::MaxTokens,
+                b"max_completion_tokens" => Key::MaxCompletionTokens,
+                b"n" => Key::N,
+                b"model" => Key::Model,
+                b"priority" => Key::Priority,
+                b"service_tier" => Key::ServiceTier,
+                b"messages" => Key::Messages,
+                b"prompt" => Key::Prompt,
+                _ => Key::Other,
+            };
+            match key {
+                Key::Stream => facts.stream = self.scalar(|t| if let Tok::Bool(b) = t { Some(*b) } else { None })?,
+                Key::MaxTokens => facts.max_tokens = self.scalar(int)?,
+                Key::MaxCompletionTokens => facts.max_completion_tokens = self.scalar(int)?,
+                Key::N => facts.n = self.scalar(int)?,
+                Key::Model => facts.model = self.kept_scalar(false)?,
+                Key::Priority => facts.priority = self.kept_scalar(true)?,
+                Key::ServiceTier => facts.service_tier = self.kept_scalar(false)?,
+                Key::Messages => (facts.message_count, message_chars) = self.messages()?,
+                Key::Prompt => prompt_chars = self.text(0)?,
+                Key::Other => self.skip_value()?,
+            }
+        }
+        facts.prompt_chars = message_chars.saturating_add(prompt_chars);
+        if self.peek().is_some() {
+            return self.bad("trailing characters");
+        }
+        Ok(facts)
+    }
+
+    /// A value reduced to what a scalar rule can use (`f` of its token; composites skipped).
+    fn scalar<T>(&mut self, f: impl Fn(&Tok) -> Option<T>) -> Res<Option<T>> {
+        let t = self.any()?;
+        self.skip_composite(&t)?;
+        Ok(f(&t))
+    }
+
+    /// A kept string; with `int`, an integer too, in decimal (`priority`).
+    fn kept_scalar(&mut self, int: bool) -> Res<Option<String>> {
+        let t = self.any()?;
+        self.skip_composite(&t)?;
+        Ok(match t {
+            Tok::Str(s) => Some(self.kept(&s)?),
+            Tok::Int(n) if int => Some(n.to_string()),
+            Tok::Neg(n) if int => Some(n.to_string()),
+            _ => None,
+        })
+    }
+
+    /// `messages`: (count, characters of text content). Non-array values count as no messages.
+    fn messages(&mut self) -> Res<(u64, u64)> {
+        let t = self.any()?;
+        if !matches!(t, Tok::Array) {
+            self.skip_composite(&t)?;
+            return Ok((0, 0));
+        }
+        self.i += 1;
+        let (mut count, mut chars, mut first) = (0u64, 0u64, true);
+        while self.element(&mut first)? {
+            chars = chars.saturating_add(self.message()?);
+            count += 1;
+        }
+        Ok((count, chars))
+    }
+
+    /// One message: the characters of its `content` (the last one, if repeated).
+    fn message(&mut self) -> Res<u64> {
+        let t = self.any()?;
+        if !matches!(t, Tok::Object) {
+            self.skip_composite(&t)?;
+            return Ok(0);
+        }
+        self.i += 1;
+        let (mut chars, mut first) = (0u64, true);
+        while let Some(k) = self.key(&mut first)? {
+            if self.key_is(&k, b"content")? {
+                chars = self.text(0)?;
+            } else {
+                self.skip_value()?;
+            }
+        }
+        Ok(chars)
+    }
+
+    /// Characters of text in a value: a string, or (at depth 0) an array of strings / text
+    /// parts (`{"type": "text", "text": "..."}`); token-id arrays count one per token. Other
+    /// shapes: 0. Recursion: depth 0 → 1 only.
+    fn text(&mut self, depth: u8) -> Res<u64> {
+        Ok(match self.any()? {
+            Tok::Str(s) => s.chars,
+            Tok::Int(_) | Tok::Neg(_) => u64::from(depth > 0),
+            Tok::Float | Tok::Bool(_) | Tok::Null => 0,
+            Tok::Array if depth == 0 => {
+                self.i += 1;
+                let (mut total, mut first) = (0u64, true);
+                while self.element(&mut first)? {
+                    total = total.saturating_add(self.text(1)?);
+                }
+                total
+            }
+            Tok::Array => {
+                self.skip_value()?;
+                0
+            }
+            Tok::Object => {
+                // A content part: only its "text" counts (the last one, if repeated).
+                self.i += 1;
+                let (mut total, mut first) = (0u64, true);
+                while let Some(k) = self.key(&mut first)? {
+                    if self.key_is(&k, b"text")? {
+                        let t = self.any()?;
+                        self.skip_composite(&t)?;
+                        total = if let Tok::Str(s) = t { s.chars } else { 0 };
+                    } else {
+                        self.skip_value()?;
+                    }
+                }
+                total
+            }
+        })
     }
 }
 
-/// `true` for the key "content".
-struct ContentKey(bool);
-
-impl<'de> de::Deserialize<'de> for ContentKey {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<ContentKey, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = ContentKey;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a key")
-            }
-            fn visit_str<E>(self, s: &str) -> Result<ContentKey, E> {
-                Ok(ContentKey(s == "content"))
-            }
-        }
-        d.deserialize_str(V)
+fn int(t: &Tok) -> Option<u64> {
+    if let Tok::Int(n) = t {
+        Some(*n)
+    } else {
+        None
     }
 }
 
@@ -494,6 +834,89 @@ mod tests {
         let mut s = String::from("{\"x\":");
         s.push_str(&"[".repeat(100_000));
         assert!(parse_body(s.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn skipped_values_are_checked_as_serde_json_skips_them() {
+        // Skipped: any depth, any bytes in strings, any \u hex, any number size.
+        let deep = format!("{{\"tools\":{}{}, \"n\": 3}}", "[".repeat(5000), "]".repeat(5000));
+        assert_eq!(parse_body(deep.as_bytes()).unwrap().n, Some(3));
+        let deep = format!("{{\"messages\":[{}1{}]}}", "[{\"a\":".repeat(300), "}]".repeat(300));
+        assert_eq!(parse_body(deep.as_bytes()).unwrap().message_count, 1);
+        assert!(parse_body(b"{\"x\":\"\xff\\ud800\",\"t\":1e400,\"role\":[\"\\udc00\"],\"tools\":{\"\\udc00\":1}}").is_ok());
+        // ...but the grammar still holds there.
+        for bad in [&b"{\"x\":[1,]}"[..], b"{\"x\":{\"a\"}}", b"{\"x\":01}", b"{\"x\":\"\\x\"}", b"{\"x\":\"\\u12\"}", b"{\"x\":\"\t\"}", b"{\"x\":tru}"] {
+            assert!(parse_body(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn read_values_are_validated_as_serde_json_parses_them() {
+        for bad in [
+            &b"{\"messages\":[{\"content\":\"\xff\"}]}"[..],
+            b"{\"prompt\":\"\\ud800\"}",
+            b"{\"prompt\":\"\\udc00\\ud800\"}",
+            b"{\"prompt\":\"\\ud800\\u0041\"}",
+            b"{\"model\":\"\xed\xa0\x80\"}",
+            b"{\"max_tokens\":1e400}",
+            b"{\"prompt\":[1, 2e999]}",
+            b"{\"\xc3\":1}",
+            // The keys of an object where a scalar is read are read too (serde_json's MapAccess).
+            b"{\"model\":{\"\\udc00\":1}}",
+        ] {
+            assert!(parse_body(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn escapes_are_one_character_each() {
+        let f = parse_body(br#"{"prompt":"a\nb\u00e9\ud83d\ude00\/\"", "model": "x\u00e9y"}"#).unwrap();
+        assert_eq!(f.prompt_chars, 7);
+        assert_eq!(f.model.as_deref(), Some("x\u{e9}y"));
+        let f = parse_body("{\"prompt\":\"h\u{e9}llo \u{1F600} \u{4e2d}\"}".as_bytes()).unwrap();
+        assert_eq!(f.prompt_chars, 9);
+        let f = parse_body(br#"{"str\u0065am": true, "m\u006fdel": "m"}"#).unwrap();
+        assert_eq!((f.stream, f.model.as_deref()), (Some(true), Some("m")));
+    }
+
+    #[test]
+    fn integers_are_typed_as_serde_json_types_them() {
+        let f = parse_body(br#"{"max_tokens": 18446744073709551615, "n": 18446744073709551616, "priority": -9223372036854775808}"#).unwrap();
+        assert_eq!((f.max_tokens, f.n, f.priority.as_deref()), (Some(u64::MAX), None, Some("-9223372036854775808")));
+        let f = parse_body(br#"{"max_tokens": -0, "priority": -0, "n": 2.0, "prompt": [1, -2, -0, 3.5]}"#).unwrap();
+        assert_eq!((f.max_tokens, f.priority, f.n, f.prompt_chars), (None, None, None, 2));
+    }
+
+    #[test]
+    fn word_scan_finds_the_first_stop_byte_as_a_byte_loop_does() {
+        let mut x = 0x9e3779b97f4a7c15u64;
+        let alphabet = [b'a', b' ', b'"', b'\\', 0x00, 0x1f, 0x20, 0x21, 0x23, 0x5b, 0x5d, 0x7f, 0x80, 0xa2, 0xdc, 0xc3, 0xff];
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let len = (x % 40) as usize;
+            let bytes: Vec<u8> = (0..len)
+                .map(|j| {
+                    let r = x.rotate_left(j as u32 * 5);
+                    if r % 3 == 0 { alphabet[(r >> 8) as usize % alphabet.len()] } else { b'a' }
+                })
+                .collect();
+            let from = (x >> 32) as usize % (len + 1);
+            let stop = (from..len).find(|&j| matches!(bytes[j], b'"' | b'\\' | 0..=0x1f)).unwrap_or(len);
+            let high = bytes[from..stop].iter().any(|&c| c >= 0x80);
+            assert_eq!(find_stop::<true>(&bytes, from), (stop, high), "{:?} from {}", bytes, from);
+            assert_eq!(find_stop::<false>(&bytes, from).0, stop);
+        }
+        for c in 0..=255u8 {
+            for k in 0..8 {
+                let mut w = *b"aaaaaaaa";
+                w[k] = c;
+                let m = stops(u64::from_le_bytes(w));
+                let want = matches!(c, b'"' | b'\\' | 0..=0x1f);
+                assert_eq!(m != 0 && m.trailing_zeros() as usize / 8 == k, want, "byte {c:#x} at {k}");
+            }
+        }
     }
 
     #[test]

@@ -4,6 +4,10 @@
 //! - differential: for generated OpenAI-like bodies and for byte-level mutations of them, the
 //!   streaming scanner must agree with a reference built on serde_json::Value, and must return an
 //!   error exactly when the input is not a JSON object;
+//! - exact: on every input here (mutants with bad escapes, surrogates, invalid UTF-8, odd
+//!   numbers, deep nesting, token soup, random bytes) the hand-written scanner must give the
+//!   same result, facts or error, as the serde_json visitors it replaced
+//!   (tests/common/serde_scanner.rs);
 //! - the classifier never panics, asks for the body only before it has it, and always yields a
 //!   class/pool pair that the config defines.
 //! A failure prints the seed and the input.
@@ -13,6 +17,17 @@ use infermesh_filter::classify::{classify, Body, Fallback, Outcome, RequestView}
 use infermesh_filter::config::FilterConfig;
 use serde_json::{json, Map, Value};
 use std::time::{Duration, Instant};
+
+#[path = "common/serde_scanner.rs"]
+mod serde_scanner;
+
+/// The new scanner must decide exactly as the serde_json one did: the same facts, or an error.
+fn same_as_serde_scanner(s: u64, input: &[u8]) -> Result<BodyFacts, String> {
+    let got = parse_body(input);
+    let want = serde_scanner::parse_body(input);
+    assert_eq!(got.as_ref().ok(), want.as_ref().ok(), "seed {s}: scanners differ (new {got:?}, serde_json {want:?}) on {:?}", String::from_utf8_lossy(input));
+    got
+}
 
 struct Rng(u64);
 
@@ -44,7 +59,7 @@ fn seed() -> u64 {
 }
 
 fn text(r: &mut Rng) -> String {
-    let alphabet = ["a", "b", "é", "\"", "\\", "\n", "😀", " ", "\u{0}", "{", "]", "x"];
+    let alphabet = ["a", "b", "é", "\"", "\\", "\n", "😀", " ", "\u{0}", "{", "]", "x", "/", "中", "\u{7f}", "\u{1f}", "\u{10ffff}", "\u{ffff}"];
     let n = r.below(40);
     (0..n).map(|_| *r.pick(&alphabet)).collect()
 }
@@ -53,8 +68,11 @@ fn any_value(r: &mut Rng, depth: u32) -> Value {
     match r.below(if depth > 3 { 6 } else { 8 }) {
         0 => Value::Null,
         1 => Value::Bool(r.below(2) == 0),
+        2 if r.below(8) == 0 => json!(*r.pick(&[u64::MAX, 1 << 63, (1 << 63) - 1, 0])),
         2 => json!(r.below(5000)),
+        3 if r.below(8) == 0 => json!(*r.pick(&[i64::MIN, i64::MIN + 1, -1])),
         3 => json!(-(r.below(100) as i64)),
+        4 if r.below(8) == 0 => json!(*r.pick(&[-0.0, 1e300, -1e-300, 5e-324])),
         4 => json!(r.below(100) as f64 + 0.5),
         5 => Value::String(text(r)),
         6 => Value::Array((0..r.below(4)).map(|_| any_value(r, depth + 1)).collect()),
@@ -156,6 +174,25 @@ fn reference(v: &Value) -> Option<BodyFacts> {
     })
 }
 
+/// Pieces a mutation may insert: escapes (valid, invalid, surrogates paired and not), numbers
+/// at the edges of u64/i64/f64, literals, nesting, whitespace.
+const SPLICES: &[&str] = &[
+    "\\u00e9", "\\u0000", "\\uD83D\\uDE00", "\\ud83d", "\\ude00", "\\uDBFF\\uDFFF", "\\uD800\\u0041", "\\ud800\\n",
+    "\\uD800\\uD800\\uDC00", "\\u12G4", "\\u12", "\\x", "\\/", "\\", "\\\"", "\\b\\f\\r\\t",
+    "-0", "0", "-", "1.", ".5", "01", "1e", "1e+", "1E-5", "1e400", "-1e400", "1e-400", "0e999999999999", "1e999999999999",
+    "18446744073709551615", "18446744073709551616", "-9223372036854775808", "-9223372036854775809", "-18446744073709551615",
+    "1.7976931348623157e308", "1.7976931348623159e308", "123456789012345678901234567890", "4.9e-324", "-0.0",
+    "true", "fals", "nul", "null", " ", "\t\r\n", "[[[[[[[[", "]]]]]]]]", "{\"a\":", "}", "[]", "{}", ",", ":",
+    "\"messages\":", "\"content\":", "\"text\":", "\"model\":", "\"prompt\":", "\"priority\":", "\"str\\u0065am\":", "\"mod\\u0065l\":",
+];
+
+/// Raw bytes a mutation may insert: invalid UTF-8 (stray continuation, truncated sequences,
+/// overlong, surrogate code points, past U+10FFFF) and valid multi-byte characters.
+const RAW: &[&[u8]] = &[
+    b"\x80", b"\xbf", b"\xc3", b"\xc3\xa9", b"\xe4\xb8", b"\xe4\xb8\xad", b"\xf0\x9f\x98", b"\xf0\x9f\x98\x80", b"\xc0\xaf",
+    b"\xe0\x80\xaf", b"\xed\xa0\x80", b"\xed\x9f\xbf", b"\xf4\x90\x80\x80", b"\xf4\x8f\xbf\xbf", b"\xff", b"\xfe", b"\x00", b"\x1f", b"\x7f",
+];
+
 fn mutate(r: &mut Rng, mut b: Vec<u8>) -> Vec<u8> {
     for _ in 0..1 + r.below(4) {
         if b.is_empty() {
@@ -163,7 +200,15 @@ fn mutate(r: &mut Rng, mut b: Vec<u8>) -> Vec<u8> {
             continue;
         }
         let i = r.below(b.len() as u64) as usize;
-        match r.below(5) {
+        match r.below(7) {
+            5 => {
+                let piece = r.pick(SPLICES).as_bytes().to_vec();
+                b.splice(i..i, piece);
+            }
+            6 => {
+                let piece = r.pick(RAW).to_vec();
+                b.splice(i..i, piece);
+            }
             0 => b[i] = r.below(256) as u8,
             1 => {
                 b.remove(i);
@@ -188,12 +233,15 @@ fn scanner_agrees_with_the_reference_on_generated_and_mutated_bodies() {
     let (mut n, mut valid_mutants) = (0u64, 0u64);
     while Instant::now() < end {
         let v = body(&mut r);
-        let bytes = serde_json::to_vec(&v).unwrap();
-        let got = parse_body(&bytes);
+        let mut bytes = serde_json::to_vec(&v).unwrap();
+        if r.below(2) == 0 {
+            bytes = reescape(&mut r, &bytes);
+        }
+        let got = same_as_serde_scanner(s, &bytes);
         assert_eq!(got.as_ref().ok(), reference(&v).as_ref(), "seed {s}: {}", String::from_utf8_lossy(&bytes));
         for _ in 0..4 {
             let m = mutate(&mut r, bytes.clone());
-            let got = parse_body(&m);
+            let got = same_as_serde_scanner(s, &m);
             if std::str::from_utf8(&m).is_err() {
                 // Invalid UTF-8 inside a string the scanner skips is not detected (the sidecar
                 // rejects such a body); all that matters here is no panic.
@@ -231,10 +279,163 @@ fn random_bytes_never_panic() {
     while Instant::now() < end {
         let len = r.below(300) as usize;
         let bytes: Vec<u8> = (0..len).map(|_| r.below(256) as u8).collect();
-        let _ = parse_body(&bytes);
+        let _ = same_as_serde_scanner(s, &bytes);
         n += 1;
     }
     eprintln!("random bytes: seed {s}, {n} inputs");
+}
+
+/// The same JSON with some string characters written as escapes serde_json never writes
+/// (`\u00e9`, surrogate pairs, `\/`): the meaning, and so the reference, is unchanged.
+fn reescape(r: &mut Rng, json: &[u8]) -> Vec<u8> {
+    let text = std::str::from_utf8(json).unwrap();
+    // `verbatim`: characters still to copy as they are (the rest of an escape sequence).
+    let (mut out, mut in_string, mut verbatim) = (String::new(), false, 0);
+    let mut prev = ' ';
+    for c in text.chars() {
+        if verbatim > 0 {
+            verbatim -= 1;
+            if prev == '\\' && c == 'u' {
+                verbatim = 4;
+            }
+            prev = c;
+            out.push(c);
+            continue;
+        }
+        prev = c;
+        if c == '"' {
+            in_string = !in_string;
+        }
+        if c == '\\' {
+            verbatim = 1;
+        }
+        if !in_string || c == '"' || c == '\\' || r.below(4) != 0 {
+            out.push(c);
+        } else if c == '/' {
+            out.push_str("\\/");
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&if r.below(2) == 0 { format!("\\u{:04x}", u) } else { format!("\\u{:04X}", u) });
+            }
+        }
+    }
+    out.into_bytes()
+}
+
+/// Hand-picked edges (the unit tests' among them): the scanners must agree on each.
+#[test]
+fn edge_cases_agree_with_the_serde_scanner() {
+    let mut cases: Vec<Vec<u8>> = [
+        &b"{\"x\":\"\xff\\ud800\",\"t\":1e400,\"role\":[\"\\udc00\"],\"tools\":{\"\\udc00\":1}}"[..],
+        b"{\"model\":{\"\\udc00\":1}}", b"{\"model\":[\"\\udc00\"]}", b"{\"messages\":{\"\\udc00\":1}}", b"{\"messages\":[[\"\\udc00\"]]}",
+        b"{\"messages\":[{\"\\udc00\":1}]}", b"{\"messages\":[{\"role\":\"\\udc00\"}]}", b"{\"messages\":[\"\\udc00\"]}",
+        b"{\"messages\":[{\"content\":[{\"\\udc00\":1}]}]}", b"{\"messages\":[{\"content\":[{\"type\":\"\\udc00\"}]}]}",
+        b"{\"messages\":[{\"content\":[[\"\\udc00\"]]}]}", b"{\"messages\":[{\"content\":[{\"text\":{\"\\udc00\":1}}]}]}",
+        b"{\"messages\":[{\"content\":[{\"text\":[\"\\udc00\"]}]}]}", b"{\"messages\":[{\"content\":{\"text\":\"ab\"}}]}",
+        b"{\"messages\":[{\"content\":[1,-1,-0,1.5,true,null,\"ab\"]}]}", b"{\"messages\":[{\"content\":\"a\",\"content\":\"bcd\"}]}",
+        b"{\"prompt\":[[1,2],[3]]}", b"{\"prompt\":[{\"text\":\"abc\",\"text\":7}]}", b"{\"prompt\":[1e400]}", b"{\"prompt\":[[1e400]]}",
+        b"{\"model\":1e400}", b"{\"model\":[1e400]}", b"{\"model\":{\"a\":1e400}}", b"{\"stream\":\"\xff\"}", b"{\"stream\":[\"\xff\"]}",
+        b"{\"stream\":{\"\xff\":1}}", b"{\"stream\":{\"a\":\"\xff\"}}", b"{\"\xff\":1}", b"{\"tools\":{\"\xff\":\"\xff\"}}",
+        b"{\"max_tokens\": 18446744073709551615, \"n\": 18446744073709551616, \"priority\": -9223372036854775808}",
+        b"{\"priority\": -9223372036854775809}", b"{\"priority\": -0}", b"{\"priority\": 0}", b"{\"priority\": 1.0}",
+        b"{\"max_tokens\": 1.7976931348623157e308}", b"{\"max_tokens\": 1.7976931348623159e308}", b"{\"max_tokens\": 1e-400}",
+        b"{\"max_tokens\": 0e999999999999}", b"{\"max_tokens\": 1e999999999999}", b"{\"max_tokens\": -1e999999999999}",
+        b"{\"str\\u0065am\": true, \"m\\u006fdel\": \"m\\u00e9\"}", b"{\"prompt\":\"a\\nb\\u00e9\\ud83d\\ude00\\/\\\"\"}",
+        b"{\"model\":\"\\ud800\\ud800\\udc00\"}", b"{\"model\":\"\\uD83D\\uDE00\"}", b"{\"model\":\"\\u0000\"}",
+        b"{}", b" {} ", b"{} x", b"{},", b"{\"a\":1,}", b"{,}", b"{\"a\" 1}", b"{\"a\":1 \"b\":2}", b"{\"messages\":[1,]}",
+        b"{\"messages\":[,1]}", b"{\"messages\":[1 2]}", b"{\"tools\":[1,]}", b"{\"tools\":{\"a\":1,}}", b"\t{\"n\":\r\n1}\n",
+        b"{\"n\":01}", b"{\"n\":-}", b"{\"n\":1.}", b"{\"n\":.5}", b"{\"n\":1e}", b"{\"n\":1e+}", b"{\"n\":+1}", b"{\"n\":1x}",
+        b"{\"n\":tru}", b"{\"n\":nul}", b"{\"n\":truex}", b"{\"n\":\"\\u12\"}", b"{\"n\":\"\\x\"}", b"{\"n\":\"\t\"}", b"{\"n\":\"\x7f\"}",
+        b"\xef\xbb\xbf{}", b"{\"n\":1}\x00",
+    ]
+    .iter()
+    .map(|c| c.to_vec())
+    .collect();
+    for depth in [1usize, 63, 64, 65, 126, 127, 128, 129, 1000] {
+        for wrap in ["{\"tools\":#}", "{\"model\":#}", "{\"messages\":[#]}", "{\"messages\":[{\"content\":#}]}", "{\"prompt\":[#]}"] {
+            let v = format!("{}1{}", "[".repeat(depth), "]".repeat(depth));
+            cases.push(wrap.replace('#', &v).into_bytes());
+            let v = format!("{}1{}", "{\"a\":".repeat(depth), "}".repeat(depth));
+            cases.push(wrap.replace('#', &v).into_bytes());
+        }
+    }
+    let big = |n: usize| format!("{{\"max_tokens\":1{},\"tools\":1{}}}", "0".repeat(n), "0".repeat(n + 400));
+    for n in [300usize, 307, 308, 309, 310, 400] {
+        cases.push(big(n).into_bytes());
+    }
+    for c in &cases {
+        let _ = same_as_serde_scanner(0, c);
+    }
+}
+
+/// Valid bodies with one value nested deep (below, at and far past serde_json's recursion limit
+/// of 128) in a field that is read or skipped: the scanners must agree (the old one skips such
+/// values with a heap stack, so it accepts any depth).
+#[test]
+fn deep_nesting_agrees_with_the_serde_scanner() {
+    let s = seed();
+    let mut r = Rng(s ^ 0x5555);
+    let end = Instant::now() + budget() / 4;
+    let mut n = 0u64;
+    while Instant::now() < end {
+        let depth = *r.pick(&[1usize, 2, 5, 63, 64, 65, 127, 128, 129, 200, 3000]);
+        let (mut open, mut close) = (String::new(), Vec::new());
+        for _ in 0..depth {
+            if r.below(2) == 0 {
+                open.push('[');
+                close.push(']');
+            } else {
+                open.push_str(*r.pick(&["{\"a\":", "{\"text\":", "{\"content\":", "{\"x\":1,\"b\":"]));
+                close.push('}');
+            }
+        }
+        let close: String = close.into_iter().rev().collect();
+        let inner = r.pick(&["1", "\"x\"", "[]", "{}", "\"\\ud800\"", "1e400", "\"\\u00e9\""]);
+        let mut wrap = |v: String| -> String {
+            match r.below(5) {
+                0 => format!("{{\"messages\":[{{\"content\":{v}}}]}}"),
+                1 => format!("{{\"messages\":[{v}]}}"),
+                2 => format!("{{\"prompt\":[{v}]}}"),
+                3 => format!("{{\"model\":{v},\"n\":2}}"),
+                _ => format!("{{\"tools\":{v},\"stream\":true}}"),
+            }
+        };
+        let mut body = wrap(format!("{open}{inner}{close}"));
+        if r.below(4) == 0 {
+            body = String::from_utf8_lossy(&mutate(&mut r, body.into_bytes())).into_owned();
+        }
+        let _ = same_as_serde_scanner(s, body.as_bytes());
+        n += 1;
+    }
+    eprintln!("deep nesting: seed {s}, {n} inputs");
+}
+
+/// Random sequences of JSON tokens (mostly malformed, often nearly right): the structural
+/// checks (commas, colons, brackets, trailing characters) must match the serde scanner's.
+#[test]
+fn token_soup_agrees_with_the_serde_scanner() {
+    let tokens = [
+        "{", "}", "[", "]", ",", ":", " ", "\"k\"", "\"messages\"", "\"content\"", "\"text\"", "\"prompt\"", "\"model\"",
+        "\"priority\"", "\"n\"", "1", "-0", "-7", "1.5", "1e400", "true", "null", "\"a\\u00e9\"", "\"\\ud800\"", "\"\\udc00\"",
+        "\"\\ud83d\\ude00\"", "\"\u{e9}\"",
+    ];
+    let s = seed();
+    let mut r = Rng(s ^ 0x7777);
+    let end = Instant::now() + budget() / 2;
+    let (mut n, mut ok) = (0u64, 0u64);
+    while Instant::now() < end {
+        let mut body = String::from(if r.below(8) == 0 { "" } else { "{" });
+        for _ in 0..r.below(24) {
+            body.push_str(*r.pick(&tokens));
+        }
+        if r.below(2) == 0 {
+            body.push('}');
+        }
+        ok += u64::from(same_as_serde_scanner(s, body.as_bytes()).is_ok());
+        n += 1;
+    }
+    eprintln!("token soup: seed {s}, {n} inputs ({ok} accepted)");
 }
 
 struct Req {
