@@ -15,11 +15,11 @@ machine as it is at that moment. Each ratio (sidecar-grpc / in-process, sidecar-
 vllm-serve) is taken within a round and the median over rounds is reported with its range.
 Absolute numbers from these machines are not meaningful; the ratios are.
 
-Then, for the front's own latency, lone 8-token requests in pairs (ABBA) between a front and
-its reference (sidecar-grpc / in-process, sidecar-http / vllm-serve, sidecar-http /
-in-process): the median of the per-pair TTFT differences.
+Lone requests are not paired request by request between variants: the first request an engine
+gets after another engine ran waits up to ~0.9 s on these 2 shared cores (tried; see
+docs/sidecar-benchmark.md), so each variant's lone requests run as a block within its turn.
 
-    python sidecar/bench/run_bench.py [--rounds 3] [--concurrency 16] [--tokens 128] [--requests 64] [--paired 60] [--json out.json]
+    python sidecar/bench/run_bench.py [--rounds 3] [--concurrency 16] [--tokens 128] [--requests 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -234,40 +234,15 @@ async def bench(args, work: Path) -> dict:
                     say(f"  round {r + 1}/{args.rounds} {name:13s} {tokens / wall:7.1f} tok/s  TTFT p50 {res[name]['ttft_p50_ms']:7.1f} ms"
                         f"  lone TTFT p50 {res[name]['lone_ttft_p50_ms']:6.2f} ms")
                 rounds.append(res)
-            paired = {}
-            for a, b in PAIRS:
-                paired[f"{a} - {b}"] = await paired_lone(ones[a], ones[b], args.paired)
-                d = paired[f"{a} - {b}"]
-                say(f"  paired lone TTFT {a} - {b}: {d['median_ms']:+.2f} ms (p25 {d['p25_ms']:+.2f}, p75 {d['p75_ms']:+.2f}, {args.paired} pairs)")
     finally:
         if eng is not None:
             eng.shutdown()
         stop(sidecar)
         stop(serve)
-    return {"rounds": rounds, "paired_lone_ttft": paired}
+    return {"rounds": rounds}
 
 
-PAIRS = (("sidecar-grpc", "in-process"), ("sidecar-http", "vllm-serve"), ("sidecar-http", "in-process"))
-
-
-async def paired_lone(a, b, pairs: int) -> dict:
-    """What front `a` adds to a lone request's TTFT over `b`: one 8-token request at a time,
-    alternating a, b, b, a, … so both see the machine at the same moment; the median of the
-    per-pair differences. On these noisy machines lone TTFTs drift by more than the few ms a
-    front adds, so medians of separate runs cannot resolve it; pairs can."""
-    diffs = []
-    for i in range(pairs):
-        first, second = (a, b) if i % 2 == 0 else (b, a)
-        t1, _ = await first(8)
-        t2, _ = await second(8)
-        ta, tb = (t1, t2) if i % 2 == 0 else (t2, t1)
-        diffs.append(1000 * (ta - tb))
-    diffs.sort()
-    return {"median_ms": statistics.median(diffs), "p25_ms": diffs[len(diffs) // 4], "p75_ms": diffs[(3 * len(diffs)) // 4],
-            "pairs": pairs}
-
-
-def report(rounds: list[dict[str, dict]], paired: dict) -> dict:
+def report(rounds: list[dict[str, dict]]) -> dict:
     def med(f) -> tuple[float, float, float]:
         xs = [f(r) for r in rounds]
         return statistics.median(xs), min(xs), max(xs)
@@ -291,9 +266,6 @@ def report(rounds: list[dict[str, dict]], paired: dict) -> dict:
     print("\nwithin-round ratios: median [min, max]")
     for k, (m, lo, hi) in ratios.items():
         print(f"  {k:38s} {m:8.3f}  [{lo:.3f}, {hi:.3f}]")
-    print("\npaired lone TTFT, added by the first over the second: median [p25, p75]")
-    for k, d in paired.items():
-        print(f"  {k:38s} {d['median_ms']:+8.2f} ms  [{d['p25_ms']:+.2f}, {d['p75_ms']:+.2f}]")
     return {"summary": summary, "ratios": {k: {"median": m, "min": lo, "max": hi} for k, (m, lo, hi) in ratios.items()}}
 
 
@@ -307,15 +279,15 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--single", type=int, default=10, help="lone requests per variant per round")
-    ap.add_argument("--paired", type=int, default=60, help="pairs of lone requests for the added TTFT (ABBA)")
+    ap.add_argument("--single", type=int, default=30, help="lone requests per variant per round")
     ap.add_argument("--sidecar-event-loop", choices=("uvloop", "asyncio"), default="uvloop")
     ap.add_argument("--json")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     with tempfile.TemporaryDirectory(prefix="infermesh-sidecar-bench-") as tmp:
         # uvloop for the clients and the in-process engine alike, as vLLM's own server runs
         out = uvloop.run(bench(args, Path(tmp)))
-    out |= report(out["rounds"], out["paired_lone_ttft"])
+    out |= report(out["rounds"])
     if args.json:
         Path(args.json).write_text(json.dumps(out | {"args": vars(args)}, indent=2))
     return 0
