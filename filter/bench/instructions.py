@@ -22,8 +22,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,20 +46,12 @@ def count(work: Path, name: str, sink_port: int, body: bytes, n: int, warmup: in
     port, admin = free_ports(2)
     rb.write_variant_config(cfg_path, name, port, admin, sink_port, "envoy.wasm.runtime.v8")
     out = work / f"cg-{name}.out"
-    proc = subprocess.Popen(
+    proc = rb.Proc(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--smc-check=all-non-file", f"--callgrind-out-file={out}",
          envoy_binary(), "-c", str(cfg_path), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "error"],
-        stdout=open(work / f"vg-{name}.log", "wb"), stderr=subprocess.STDOUT)
+        work / f"vg-{name}.log")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError((work / f"vg-{name}.log").read_text()[-2000:])
-                time.sleep(0.5)
+        rb.wait_ready(admin, proc, timeout=300)  # Envoy starts slowly under valgrind
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
 
         def send(k: int) -> None:
@@ -73,13 +63,12 @@ def count(work: Path, name: str, sink_port: int, body: bytes, n: int, warmup: in
                     raise RuntimeError(f"{name}: status {r.status}")
 
         send(warmup)  # warm-up: the VM and its JIT tiers, the connections, the route cache
-        subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True, capture_output=True)
+        subprocess.run(["callgrind_control", "-i", "on", str(proc.p.pid)], check=True, capture_output=True)
         send(n)
-        subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+        subprocess.run(["callgrind_control", "-d", str(proc.p.pid)], check=True, capture_output=True)
         conn.close()
     finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+        proc.stop()
     dumps = sorted(work.glob(f"cg-{name}.out.*"))
     if not dumps:
         raise RuntimeError(f"{name}: callgrind wrote no dump")

@@ -108,8 +108,8 @@ class Proc:
             self.p.kill()
 
 
-def wait_ready(admin_port: int, proc: Proc) -> None:
-    deadline = time.monotonic() + 30
+def wait_ready(admin_port: int, proc: Proc, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.p.poll() is not None:
             raise RuntimeError(proc.log.read_text()[-2000:])
@@ -286,9 +286,17 @@ def main() -> int:
     def med(key: str, part: str, field: str) -> float:
         return statistics.median(s[part][field] for s in samples[key])
 
+    def paired_med(key: str, field: str) -> float:
+        v = [s["paired"][field] for s in samples[key] if s["paired"]]
+        return statistics.median(v) if v else float("nan")
+
+    def round_ratios(key: str, base: str) -> list[float]:
+        """The throughput ratio of each round (variant and no-filter a few seconds apart)."""
+        return [a["saturation"]["rps"] / b["saturation"]["rps"] for a, b in zip(samples[key], samples[base])]
+
     print("\nmedian over rounds; ratio = variant / no-filter with the same body; added = variant - no-filter;")
     print("paired = one request at a time, interleaved with a no-filter Envoy beside it, minus no-filter's own paired offset")
-    print(f"{'variant':18s} {'throughput':>10s} {'ratio':>6s} {'@rate p50+':>10s} {'@rate p99+':>10s} {'paired p50+':>11s} {'paired p99+':>11s} {'CPU/req+':>9s}")
+    print(f"{'variant':18s} {'throughput':>10s} {'ratio':>6s} {'@rate p50+':>10s} {'@rate p99+':>10s} {'paired p50+':>11s} {'paired p99+':>11s} {'CPU/req+':>9s} {'per-round ratios':>17s}")
     summary = {}
     for name, kb in cases:
         key, base = f"{name}/{kb}KB", f"no-filter/{kb}KB"
@@ -298,16 +306,15 @@ def main() -> int:
         dcpu = med(key, "saturation", "envoy_cpu_us_per_request") - med(base, "saturation", "envoy_cpu_us_per_request")
         # Paired runs compare against the long-running no-filter Envoy; a freshly started one
         # shows an offset of its own (~20 µs here), so subtract no-filter's paired result.
-        def paired_med(k: str, field: str) -> float:
-            v = [s["paired"][field] for s in samples[k] if s["paired"]]
-            return statistics.median(v) if v else float("nan")
-
         p50 = paired_med(key, "p50_added_us") - paired_med(base, "p50_added_us")
         p99 = paired_med(key, "p99_added_us") - paired_med(base, "p99_added_us")
-        summary[key] = {"throughput_ratio": round(ratio, 3), "p50_added_us": round(d50, 1), "p99_added_us": round(d99, 1),
+        per_round = round_ratios(key, base)
+        summary[key] = {"throughput_ratio": round(ratio, 3), "round_ratio_min": round(min(per_round), 3),
+                        "round_ratio_max": round(max(per_round), 3), "p50_added_us": round(d50, 1), "p99_added_us": round(d99, 1),
                         "paired_p50_added_us": round(p50, 1), "paired_p99_added_us": round(p99, 1),
                         "rps": round(med(key, "saturation", "rps")), "envoy_cpu_us_per_request_added": round(dcpu, 1)}
-        print(f"{key:18s} {med(key, 'saturation', 'rps'):10.0f} {ratio:6.2f} {d50:8.0f}us {d99:8.0f}us {p50:9.1f}us {p99:9.1f}us {dcpu:7.1f}us")
+        print(f"{key:18s} {med(key, 'saturation', 'rps'):10.0f} {ratio:6.2f} {d50:8.0f}us {d99:8.0f}us {p50:9.1f}us {p99:9.1f}us {dcpu:7.1f}us"
+              f"   {min(per_round):.2f}-{max(per_round):.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "samples": samples, "args": vars(args)}, indent=2))
     return 0

@@ -170,14 +170,14 @@ def _pool_routes(m: MeshListener, name: str, target: str, match: dict) -> list[d
     return routes
 
 
-def _pool_header(pool: str) -> dict:
+def _pool_header_match(pool: str) -> dict:
     return {"prefix": "/", "headers": [{"name": POOL_HEADER, "string_match": {"exact": pool}}]}
 
 
 def _routes(m: MeshListener) -> list[dict]:
     routes = [_shed_route(c) for c in m.shed_classes]
     for p in m.pools:
-        routes += _pool_routes(m, f"class-pool-{p.pool}", m.spill.get(p.pool, p.pool), _pool_header(p.pool))
+        routes += _pool_routes(m, f"class-pool-{p.pool}", m.spill.get(p.pool, p.pool), _pool_header_match(p.pool))
     if uses_native_rules(m):
         return routes + _native_rule_routes(m)
     default = m.default_pool or (m.pools[0].pool if m.pools else "")

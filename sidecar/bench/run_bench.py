@@ -48,7 +48,6 @@ MAX_LEN = 1024
 PROMPT = "Summarize the following: the service mesh routes interactive chat and batch work to pools."
 
 
-
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -248,14 +247,20 @@ def report(rounds: list[dict[str, dict]]) -> dict:
         return statistics.median(xs), min(xs), max(xs)
 
     summary = {v: {k: statistics.median(r[v][k] for r in rounds) for k in rounds[0][v]} for v in VARIANTS}
+    def ratio(a: str, b: str) -> tuple[float, float, float]:
+        return med(lambda r: r[a]["tokens_per_s"] / r[b]["tokens_per_s"])
+
+    def added(a: str, b: str, key: str) -> tuple[float, float, float]:
+        return med(lambda r: r[a][key] - r[b][key])
+
     ratios = {
-        "grpc_vs_in_process_tokens": med(lambda r: r["sidecar-grpc"]["tokens_per_s"] / r["in-process"]["tokens_per_s"]),
-        "grpc_added_lone_ttft_p50_ms": med(lambda r: r["sidecar-grpc"]["lone_ttft_p50_ms"] - r["in-process"]["lone_ttft_p50_ms"]),
-        "grpc_added_ttft_p50_ms_under_load": med(lambda r: r["sidecar-grpc"]["ttft_p50_ms"] - r["in-process"]["ttft_p50_ms"]),
-        "http_vs_vllm_serve_tokens": med(lambda r: r["sidecar-http"]["tokens_per_s"] / r["vllm-serve"]["tokens_per_s"]),
-        "http_vs_vllm_serve_lone_ttft_p50_ms": med(lambda r: r["sidecar-http"]["lone_ttft_p50_ms"] - r["vllm-serve"]["lone_ttft_p50_ms"]),
-        "http_vs_in_process_tokens": med(lambda r: r["sidecar-http"]["tokens_per_s"] / r["in-process"]["tokens_per_s"]),
-        "vllm_serve_vs_in_process_tokens": med(lambda r: r["vllm-serve"]["tokens_per_s"] / r["in-process"]["tokens_per_s"]),
+        "grpc_vs_in_process_tokens": ratio("sidecar-grpc", "in-process"),
+        "grpc_added_lone_ttft_p50_ms": added("sidecar-grpc", "in-process", "lone_ttft_p50_ms"),
+        "grpc_added_ttft_p50_ms_under_load": added("sidecar-grpc", "in-process", "ttft_p50_ms"),
+        "http_vs_vllm_serve_tokens": ratio("sidecar-http", "vllm-serve"),
+        "http_vs_vllm_serve_lone_ttft_p50_ms": added("sidecar-http", "vllm-serve", "lone_ttft_p50_ms"),
+        "http_vs_in_process_tokens": ratio("sidecar-http", "in-process"),
+        "vllm_serve_vs_in_process_tokens": ratio("vllm-serve", "in-process"),
     }
     print(f"\nmedian of {len(rounds)} rounds")
     print(f"{'variant':14s} {'tok/s':>8s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'lone TTFT p50':>14s} {'lone p99':>9s}")
