@@ -19,7 +19,15 @@ Lone requests are not paired request by request between variants: the first requ
 gets after another engine ran waits up to ~0.9 s on these 2 shared cores (tried; see
 docs/sidecar-benchmark.md), so each variant's lone requests run as a block within its turn.
 
-    python sidecar/bench/run_bench.py [--rounds 3] [--concurrency 16] [--tokens 128] [--requests 64] [--json out.json]
+What a front adds is also measured exactly, request by request, on the sidecar's own engine:
+after each lone request the sidecar's TTFT histogram is read (/metrics), and its sum grows by
+the sidecar's own time from admission to that request's first token; the client's TTFT minus
+that is the front's overhead for that request (both transports, the servicer, the client's own
+work), free of the engine's round-to-round noise. The gRPC turn alternates (ABBA) Python's
+grpc.aio client with a grpc-go client (sidecar/bench/grpcttft, built with `go` when present),
+which tells the server's share from what the Python client adds on its side.
+
+    python sidecar/bench/run_bench.py [--rounds 3] [--concurrency 16] [--tokens 128] [--requests 64] [--no-go-client] [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import hashlib
+import re
+import shutil
 import time
 from pathlib import Path
 
@@ -134,6 +145,54 @@ def grpc_variant(stub):
     return one
 
 
+def go_client_binary() -> Path | None:
+    """Build sidecar/bench/grpcttft once (keyed by its sources); None without a Go toolchain."""
+    src = Path(__file__).parent / "grpcttft"
+    if shutil.which("go") is None:
+        say("bench: no `go` here: the grpc-go client is left out")
+        return None
+    key = hashlib.sha256(b"".join((src / f).read_bytes() for f in ("go.mod", "go.sum", "main.go"))).hexdigest()[:12]
+    out = paths.home() / "bin" / f"grpcttft-{key}"
+    if not out.exists():
+        say("bench: building the grpc-go client (sidecar/bench/grpcttft) …")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        env = os.environ | {"GOFLAGS": "-mod=readonly -buildvcs=false"}
+        subprocess.run(["go", "build", "-o", str(out) + ".tmp", "."], cwd=src, env=env, check=True)
+        os.replace(str(out) + ".tmp", out)
+    return out
+
+
+class GoClient:
+    """One grpcttft process on one connection: a call per line written, its TTFT read back."""
+
+    def __init__(self, binary: Path, port: int, request: bytes):
+        self.proc = subprocess.Popen(
+            [str(binary), "-addr", f"127.0.0.1:{port}", "-request", request.hex()],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    async def one(self) -> float:
+        def call() -> float:
+            self.proc.stdin.write("\n")
+            line = self.proc.stdout.readline()
+            if not line or line.startswith("error"):
+                raise RuntimeError(f"grpcttft: {line.strip() or 'exited'}")
+            return float(line)
+        return await asyncio.get_running_loop().run_in_executor(None, call)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
+_TTFT_SUM = re.compile(r'^infermesh_sidecar_time_to_first_token_seconds_sum\{([^}]*)\} (\S+)$', re.M)
+
+
+async def sidecar_ttft_sum(client, metrics_url: str, front: str) -> float:
+    """The sidecar's own TTFT histogram sum (seconds) for one front, over every class."""
+    text = (await client.get(metrics_url)).text
+    return sum(float(v) for labels, v in _TTFT_SUM.findall(text) if f'front="{front}"' in labels)
+
+
 # ---- the servers ------------------------------------------------------------------------------
 
 def start_sidecar(work: Path, event_loop: str) -> tuple[subprocess.Popen, Path, int, int]:
@@ -199,10 +258,13 @@ async def bench(args, work: Path) -> dict:
 
     from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
+    from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
+
+    go_bin = go_client_binary() if args.go_client else None
     say("bench: loading three engines (the sidecar, vllm serve, in-process) …")
     sidecar, sidecar_log, http_port, grpc_port = start_sidecar(work, args.sidecar_event_loop)
     serve, serve_log, serve_port = start_vllm_serve(work)
-    eng = None
+    eng = go = None
     try:
         limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
         async with httpx.AsyncClient(timeout=300, limits=limits) as client, \
@@ -210,6 +272,8 @@ async def bench(args, work: Path) -> dict:
             eng, in_proc = await in_process_engine()
             await wait_http(client, f"http://127.0.0.1:{http_port}/health", sidecar, sidecar_log)
             await wait_http(client, f"http://127.0.0.1:{serve_port}/health", serve, serve_log)
+            go = GoClient(go_bin, grpc_port, pb.GenerateRequest(text=PROMPT, max_tokens=8, ignore_eos=True).SerializeToString()) if go_bin else None
+            metrics_url = f"http://127.0.0.1:{http_port}/metrics"
             ones = {
                 "in-process": in_proc,
                 "sidecar-grpc": grpc_variant(pb_grpc.InferenceStub(channel)),
@@ -219,6 +283,30 @@ async def bench(args, work: Path) -> dict:
             for name, one in ones.items():  # warm-up: first requests compile and fill caches
                 await drive(lambda: one(args.tokens), args.concurrency, args.concurrency)
                 await drive(lambda: one(8), 1, 5)
+            if go:
+                for _ in range(5):
+                    await go.one()
+
+            async def lone_block(name: str) -> dict[str, list[float]]:
+                """`args.single` lone 8-token requests; on the sidecar, each one's front overhead too."""
+                front = {"sidecar-grpc": "grpc", "sidecar-http": "http"}.get(name)
+                clients = [("py", lambda: ones[name](8))]
+                if name == "sidecar-grpc" and go:
+                    async def go_one():
+                        return await go.one(), 8
+                    clients.append(("go", go_one))
+                out: dict[str, list[float]] = {}
+                for i in range(args.single):
+                    # ABBA: each client as often first as second, on the same engine
+                    for label, call in (clients if i % 4 in (0, 3) else clients[::-1]):
+                        before = await sidecar_ttft_sum(client, metrics_url, front) if front else 0.0
+                        ttft, _ = await call()
+                        out.setdefault(label, []).append(ttft)
+                        if front:
+                            own = await sidecar_ttft_sum(client, metrics_url, front) - before
+                            out.setdefault(label + "_overhead", []).append(ttft - own)
+                        await asyncio.sleep(0.02)  # the same pause after every lone request, every variant
+                return out
             rounds: list[dict[str, dict]] = []
             for r in range(args.rounds):
                 order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
@@ -226,14 +314,21 @@ async def bench(args, work: Path) -> dict:
                 for name in order:
                     one = ones[name]
                     ttfts, tokens, wall = await drive(lambda: one(args.tokens), args.concurrency, args.requests)
-                    lone, _, _ = await drive(lambda: one(8), 1, args.single)
+                    lone = await lone_block(name)
                     res[name] = {"tokens_per_s": tokens / wall, "ttft_p50_ms": 1000 * statistics.median(ttfts),
-                                 "ttft_p99_ms": 1000 * pct(ttfts, 0.99), "lone_ttft_p50_ms": 1000 * statistics.median(lone),
-                                 "lone_ttft_p99_ms": 1000 * pct(lone, 0.99), "tokens": tokens}
+                                 "ttft_p99_ms": 1000 * pct(ttfts, 0.99), "lone_ttft_p50_ms": 1000 * statistics.median(lone["py"]),
+                                 "lone_ttft_p99_ms": 1000 * pct(lone["py"], 0.99), "tokens": tokens}
+                    for label, key in (("py_overhead", "front_overhead_p50_ms"), ("go", "go_lone_ttft_p50_ms"),
+                                       ("go_overhead", "go_front_overhead_p50_ms")):
+                        if label in lone:
+                            res[name][key] = 1000 * statistics.median(lone[label])
                     say(f"  round {r + 1}/{args.rounds} {name:13s} {tokens / wall:7.1f} tok/s  TTFT p50 {res[name]['ttft_p50_ms']:7.1f} ms"
-                        f"  lone TTFT p50 {res[name]['lone_ttft_p50_ms']:6.2f} ms")
+                        f"  lone TTFT p50 {res[name]['lone_ttft_p50_ms']:6.2f} ms"
+                        + "".join(f"  {k} {v:.2f}" for k, v in res[name].items() if "overhead" in k or k.startswith("go_")))
                 rounds.append(res)
     finally:
+        if go is not None:
+            go.close()
         if eng is not None:
             eng.shutdown()
         stop(sidecar)
@@ -253,15 +348,27 @@ def report(rounds: list[dict[str, dict]]) -> dict:
     def added(a: str, b: str, key: str) -> tuple[float, float, float]:
         return med(lambda r: r[a][key] - r[b][key])
 
+    def own(v: str, key: str) -> tuple[float, float, float]:
+        return med(lambda r: r[v][key])
+
     ratios = {
         "grpc_vs_in_process_tokens": ratio("sidecar-grpc", "in-process"),
         "grpc_added_lone_ttft_p50_ms": added("sidecar-grpc", "in-process", "lone_ttft_p50_ms"),
+        "grpc_front_overhead_p50_ms": own("sidecar-grpc", "front_overhead_p50_ms"),
         "grpc_added_ttft_p50_ms_under_load": added("sidecar-grpc", "in-process", "ttft_p50_ms"),
+        # vLLM's own server is a separate process too: the engine-placement share of the above
+        "grpc_vs_vllm_serve_lone_ttft_p50_ms": added("sidecar-grpc", "vllm-serve", "lone_ttft_p50_ms"),
+        "vllm_serve_vs_in_process_lone_ttft_p50_ms": added("vllm-serve", "in-process", "lone_ttft_p50_ms"),
+        "http_front_overhead_p50_ms": own("sidecar-http", "front_overhead_p50_ms"),
         "http_vs_vllm_serve_tokens": ratio("sidecar-http", "vllm-serve"),
         "http_vs_vllm_serve_lone_ttft_p50_ms": added("sidecar-http", "vllm-serve", "lone_ttft_p50_ms"),
         "http_vs_in_process_tokens": ratio("sidecar-http", "in-process"),
         "vllm_serve_vs_in_process_tokens": ratio("vllm-serve", "in-process"),
     }
+    if "go_lone_ttft_p50_ms" in rounds[0]["sidecar-grpc"]:
+        ratios["grpc_go_client_added_lone_ttft_p50_ms"] = med(
+            lambda r: r["sidecar-grpc"]["go_lone_ttft_p50_ms"] - r["in-process"]["lone_ttft_p50_ms"])
+        ratios["grpc_go_client_front_overhead_p50_ms"] = own("sidecar-grpc", "go_front_overhead_p50_ms")
     print(f"\nmedian of {len(rounds)} rounds")
     print(f"{'variant':14s} {'tok/s':>8s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'lone TTFT p50':>14s} {'lone p99':>9s}")
     for v in VARIANTS:
@@ -270,7 +377,7 @@ def report(rounds: list[dict[str, dict]]) -> dict:
               f" {s['lone_ttft_p50_ms']:12.2f}ms {s['lone_ttft_p99_ms']:7.2f}ms")
     print("\nwithin-round ratios: median [min, max]")
     for k, (m, lo, hi) in ratios.items():
-        print(f"  {k:38s} {m:8.3f}  [{lo:.3f}, {hi:.3f}]")
+        print(f"  {k:42s} {m:8.3f}  [{lo:.3f}, {hi:.3f}]")
     return {"summary": summary, "ratios": {k: {"median": m, "min": lo, "max": hi} for k, (m, lo, hi) in ratios.items()}}
 
 
@@ -285,9 +392,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--single", type=int, default=30, help="lone requests per variant per round")
+    ap.add_argument("--no-go-client", dest="go_client", action="store_false",
+                    help="leave out the grpc-go client's lone requests (built with `go` when present)")
     ap.add_argument("--sidecar-event-loop", choices=("uvloop", "asyncio"), default="uvloop")
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="write the rounds and the summary here")
+    ap.add_argument("--report", metavar="JSON", help="print the summary of an earlier run's --json file; runs nothing")
     args = ap.parse_args()
+    if args.report:
+        report(json.loads(Path(args.report).read_text())["rounds"])
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     with tempfile.TemporaryDirectory(prefix="infermesh-sidecar-bench-") as tmp:
         # uvloop for the clients and the in-process engine alike, as vLLM's own server runs

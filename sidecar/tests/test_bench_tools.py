@@ -1,0 +1,111 @@
+"""The sidecar benchmark's own instruments: the grpc-go client and the TTFT-histogram reading.
+
+They decide what docs/sidecar-benchmark.md reports as a front's overhead, so they are tested
+here against a fake gRPC servicer (no engine) and the sidecar's real metrics registry.
+"""
+
+import asyncio
+import importlib.util
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+
+from infermesh.sidecar.metrics import SidecarMetrics
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "run_bench.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("sidecar_run_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class FakeInference(pb_grpc.InferenceServicer):
+    """Answers after `delay_s` with one chunk and a final; `max_tokens == 13` fails the call."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+        self.requests: list[pb.GenerateRequest] = []
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if request.max_tokens == 13:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake refusal")
+        await asyncio.sleep(self.delay_s)
+        yield pb.GenerateResponse(request_id="r", chunk=pb.TokenChunk(text="a", token_ids=[1]))
+        await asyncio.sleep(self.delay_s)  # the time to the first message must not include this
+        yield pb.GenerateResponse(request_id="r", final=pb.Final(finish_reason="length"))
+
+
+def test_ttft_sum_reads_one_front_over_every_class():
+    m = SidecarMetrics("p", "i")
+    m.ttft.labels("grpc", "interactive").observe(0.25)
+    m.ttft.labels("grpc", "batch").observe(0.5)
+    m.ttft.labels("http", "interactive").observe(2.0)
+    text = generate_latest(m.registry).decode()
+    bench = _bench()
+
+    class Client:
+        async def get(self, url):
+            class R:
+                pass
+            r = R()
+            r.text = text
+            return r
+
+    assert asyncio.run(bench.sidecar_ttft_sum(Client(), "u", "grpc")) == pytest.approx(0.75)
+    assert asyncio.run(bench.sidecar_ttft_sum(Client(), "u", "http")) == pytest.approx(2.0)
+
+
+def _go_client(bench) -> Path:
+    # The suite needs Go anyway (scripts/setup-chart-tools.sh builds Helm with it).
+    assert shutil.which("go"), "the Go toolchain is required"
+    return bench.go_client_binary()
+
+
+def test_go_client_times_the_first_message_of_each_call():
+    bench = _bench()
+    binary = _go_client(bench)
+    delay = 0.05
+
+    async def run():
+        fake = FakeInference(delay)
+        server = grpc.aio.server()
+        pb_grpc.add_InferenceServicer_to_server(fake, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            sent = pb.GenerateRequest(text="hi", max_tokens=8, ignore_eos=True)
+            go = bench.GoClient(binary, port, sent.SerializeToString())
+            t0 = time.monotonic()
+            ttfts = [await go.one() for _ in range(3)]
+            wall = time.monotonic() - t0
+            go.close()
+            # A failed call is reported, not timed.
+            bad = bench.GoClient(binary, port, pb.GenerateRequest(text="hi", max_tokens=13).SerializeToString())
+            with pytest.raises(RuntimeError, match="ResourceExhausted|fake refusal"):
+                await bad.one()
+            bad.close()
+            return fake.requests, sent, ttfts, wall
+        finally:
+            await server.stop(0)
+
+    requests, sent, ttfts, wall = asyncio.run(run())
+    assert requests[:3] == [sent] * 3  # the bytes given arrive as that very message
+    assert all(delay <= t < 2 * delay for t in ttfts), ttfts  # the first message, not the stream's end
+    assert wall >= 3 * 2 * delay  # and each call was read to its end before the next
+
+
+def test_go_client_refuses_a_request_that_is_not_hex():
+    binary = _go_client(_bench())
+    r = subprocess.run([str(binary), "-request", "zz"], capture_output=True, text=True, input="")
+    assert r.returncode == 2 and "not hex" in r.stderr
