@@ -30,7 +30,7 @@ import run_bench as rb  # noqa: E402
 
 from infermesh.launcher import free_ports  # noqa: E402
 
-VARIANTS = ("no-filter", "wasm-noop", "headers-only", "headers-wasm", "body")
+VARIANTS = rb.VARIANTS
 
 
 def envoy_binary() -> str:
