@@ -34,17 +34,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import itertools
 import json
 import os
+import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import hashlib
-import re
-import shutil
 import time
 from pathlib import Path
 
@@ -256,9 +256,8 @@ async def bench(args, work: Path) -> dict:
     import grpc
     import httpx
 
-    from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
-
     from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
+    from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
     go_bin = go_client_binary() if args.go_client else None
     say("bench: loading three engines (the sidecar, vllm serve, in-process) …")
@@ -296,15 +295,16 @@ async def bench(args, work: Path) -> dict:
                         return await go.one(), 8
                     clients.append(("go", go_one))
                 out: dict[str, list[float]] = {}
+                # Nothing else runs meanwhile: one reading after each request is the next one's "before".
+                last = await sidecar_ttft_sum(client, metrics_url, front) if front else 0.0
                 for i in range(args.single):
                     # ABBA: each client as often first as second, on the same engine
                     for label, call in (clients if i % 4 in (0, 3) else clients[::-1]):
-                        before = await sidecar_ttft_sum(client, metrics_url, front) if front else 0.0
                         ttft, _ = await call()
                         out.setdefault(label, []).append(ttft)
                         if front:
-                            own = await sidecar_ttft_sum(client, metrics_url, front) - before
-                            out.setdefault(label + "_overhead", []).append(ttft - own)
+                            before, last = last, await sidecar_ttft_sum(client, metrics_url, front)
+                            out.setdefault(label + "_overhead", []).append(ttft - (last - before))
                         await asyncio.sleep(0.02)  # the same pause after every lone request, every variant
                 return out
             rounds: list[dict[str, dict]] = []
@@ -345,8 +345,8 @@ def report(rounds: list[dict[str, dict]]) -> dict:
     def ratio(a: str, b: str) -> tuple[float, float, float]:
         return med(lambda r: r[a]["tokens_per_s"] / r[b]["tokens_per_s"])
 
-    def added(a: str, b: str, key: str) -> tuple[float, float, float]:
-        return med(lambda r: r[a][key] - r[b][key])
+    def added(a: str, b: str, key: str, b_key: str | None = None) -> tuple[float, float, float]:
+        return med(lambda r: r[a][key] - r[b][b_key or key])
 
     def own(v: str, key: str) -> tuple[float, float, float]:
         return med(lambda r: r[v][key])
@@ -366,8 +366,7 @@ def report(rounds: list[dict[str, dict]]) -> dict:
         "vllm_serve_vs_in_process_tokens": ratio("vllm-serve", "in-process"),
     }
     if "go_lone_ttft_p50_ms" in rounds[0]["sidecar-grpc"]:
-        ratios["grpc_go_client_added_lone_ttft_p50_ms"] = med(
-            lambda r: r["sidecar-grpc"]["go_lone_ttft_p50_ms"] - r["in-process"]["lone_ttft_p50_ms"])
+        ratios["grpc_go_client_added_lone_ttft_p50_ms"] = added("sidecar-grpc", "in-process", "go_lone_ttft_p50_ms", "lone_ttft_p50_ms")
         ratios["grpc_go_client_front_overhead_p50_ms"] = own("sidecar-grpc", "go_front_overhead_p50_ms")
     print(f"\nmedian of {len(rounds)} rounds")
     print(f"{'variant':14s} {'tok/s':>8s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'lone TTFT p50':>14s} {'lone p99':>9s}")

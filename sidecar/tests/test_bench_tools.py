@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -19,14 +20,9 @@ from infermesh.sidecar.metrics import SidecarMetrics
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "run_bench.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("sidecar_run_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_spec = importlib.util.spec_from_file_location("sidecar_run_bench", Path(__file__).resolve().parents[1] / "bench" / "run_bench.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
 
 
 class FakeInference(pb_grpc.InferenceServicer):
@@ -52,29 +48,23 @@ def test_ttft_sum_reads_one_front_over_every_class():
     m.ttft.labels("grpc", "batch").observe(0.5)
     m.ttft.labels("http", "interactive").observe(2.0)
     text = generate_latest(m.registry).decode()
-    bench = _bench()
 
-    class Client:
+    class FakeClient:
         async def get(self, url):
-            class R:
-                pass
-            r = R()
-            r.text = text
-            return r
+            return SimpleNamespace(text=text)
 
-    assert asyncio.run(bench.sidecar_ttft_sum(Client(), "u", "grpc")) == pytest.approx(0.75)
-    assert asyncio.run(bench.sidecar_ttft_sum(Client(), "u", "http")) == pytest.approx(2.0)
+    assert asyncio.run(bench.sidecar_ttft_sum(FakeClient(), "u", "grpc")) == pytest.approx(0.75)
+    assert asyncio.run(bench.sidecar_ttft_sum(FakeClient(), "u", "http")) == pytest.approx(2.0)
 
 
-def _go_client(bench) -> Path:
+def _go_client() -> Path:
     # The suite needs Go anyway (scripts/setup-chart-tools.sh builds Helm with it).
     assert shutil.which("go"), "the Go toolchain is required"
     return bench.go_client_binary()
 
 
 def test_go_client_times_the_first_message_of_each_call():
-    bench = _bench()
-    binary = _go_client(bench)
+    binary = _go_client()
     delay = 0.05
 
     async def run():
@@ -106,6 +96,6 @@ def test_go_client_times_the_first_message_of_each_call():
 
 
 def test_go_client_refuses_a_request_that_is_not_hex():
-    binary = _go_client(_bench())
+    binary = _go_client()
     r = subprocess.run([str(binary), "-request", "zz"], capture_output=True, text=True, input="")
     assert r.returncode == 2 and "not hex" in r.stderr
