@@ -22,9 +22,12 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Literal, Protocol
+from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+# The breaker settings and the level order are shared with the mesh policy (infermesh/settings.py).
+from infermesh.settings import ACTION_ORDER, Action, BreakerConfig, Signal
+
+__all__ = ["ACTION_ORDER", "Action", "Breaker", "BreakerConfig", "Clock", "PoolPolicy", "Signal", "State", "Transition"]
 
 
 class Clock(Protocol):
@@ -35,54 +38,6 @@ class State(str, enum.Enum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
-
-
-Action = Literal["shed", "degrade", "critical_only"]
-"""What an open breaker does to the pool, mildest first:
-shed: refuse sheddable classes (429/RESOURCE_EXHAUSTED with Retry-After);
-degrade: serve new requests from the next model of the ladder (in-flight ones finish);
-critical_only: refuse everything but the highest-priority class."""
-
-ACTION_ORDER: dict[str, int] = {"shed": 1, "degrade": 2, "critical_only": 3}
-
-Signal = Literal["gpu_memory", "kv_cache", "cpu_load", "ttft_p95", "error_rate"]
-
-
-class BreakerConfig(BaseModel):
-    """One breaker. Thresholds are in the signal's unit (fractions 0-1, or seconds for TTFT)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    signal: Signal
-    """The reading this breaker watches."""
-    trip_above: Annotated[float, Field(ge=0)]
-    """Trip when the signal stays above this for `sustain_s`."""
-    recover_below: Annotated[float, Field(ge=0)]
-    """Recover only below this (lower: hysteresis), held for `recover_sustain_s`."""
-    sustain_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
-    """How long the signal must stay above `trip_above` before the breaker opens."""
-    recover_sustain_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
-    """How long the signal must stay below `recover_below` for each step back."""
-    min_samples: Annotated[int, Field(ge=1, le=10_000)] = 3
-    """Readings over the sustain window needed before judging at all."""
-    actions: Annotated[list[Action], Field(min_length=1)] = ["shed", "degrade"]
-    """Applied in order while the pressure lasts; undone in reverse order on recovery."""
-    escalate_after_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
-    """Still over `trip_above` this long after an action: apply the next one."""
-    half_open_trials: Annotated[int, Field(ge=1, le=10_000)] = 5
-    """Requests served normally in half-open before the breaker closes."""
-    half_open_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
-    """Half-open closes after this long without new pressure, even with fewer trials."""
-
-    @model_validator(mode="after")
-    def _hysteresis(self) -> "BreakerConfig":
-        if self.recover_below > self.trip_above:
-            raise ValueError(f"recover_below ({self.recover_below}) must not be above trip_above ({self.trip_above})")
-        if len(set(self.actions)) != len(self.actions):
-            raise ValueError("actions must not repeat")
-        if [ACTION_ORDER[a] for a in self.actions] != sorted(ACTION_ORDER[a] for a in self.actions):
-            raise ValueError("actions must escalate: shed, then degrade, then critical_only")
-        return self
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import sys
@@ -27,6 +26,8 @@ import uvloop
 from grpc_health.v1 import health_pb2
 from pydantic import ValidationError
 
+from infermesh.logs import setup_logging
+
 from .config import ConfigError, SidecarConfig, load_config
 from .engine import EngineManager
 from .grpc_api import FULL_SERVICE, INFERENCE_SERVICE, start_admin_grpc, start_grpc
@@ -35,39 +36,6 @@ from .http_api import build_app
 from .metrics import SidecarMetrics
 
 log = logging.getLogger("infermesh.sidecar")
-
-_STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, msg, and any `extra=` fields."""
-
-    def __init__(self, static: dict | None = None):
-        super().__init__()
-        self.static = static or {}
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-            **self.static,
-        }
-        out.update({k: v for k, v in vars(record).items() if k not in _STD_ATTRS})
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def setup_logging(static: dict) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(static))
-    root = logging.getLogger("infermesh")
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-    root.propagate = False
-
 
 class _Uvicorn(uvicorn.Server):
     """uvicorn without its own signal handlers: this process drains on its own terms."""

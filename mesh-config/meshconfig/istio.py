@@ -124,7 +124,7 @@ def labels(opts: IstioOptions, pool: str | None = None) -> dict[str, str]:
 
 def needs_body(policy: Policy) -> bool:
     """Whether any rule reads the request body (then the filter must be able to pause)."""
-    return any("body" in (r.get("match") or {}) for r in policy.rules)
+    return policy.needs_body
 
 
 def check(policy: Policy, opts: IstioOptions) -> None:

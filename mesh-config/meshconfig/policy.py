@@ -1,13 +1,13 @@
 """The mesh policy: one file from which the filter config, each pool's sidecar config and the
-Envoy config are generated. `infermesh policy check FILE` validates it; errors name the file,
-the line and the field.
+Envoy/Istio config are generated. `infermesh policy check FILE` validates it; errors name the
+file, the line and the field.
 
     version: 1
     default_class: batch
     classes:
       interactive: {pool: interactive, priority: 0, objective: chat-latency}
-      batch: {pool: batch, priority: 10, sheddable: true}
-    rules:                       # ordered; the first match decides (see docs/filter.md)
+      batch: {pool: batch, priority: 10, sheddable: true, vllm_priority: 5}
+    rules:                       # ordered; the first match decides (docs/filter.md)
       - name: chat
         class: interactive
         match: {methods: [POST], path: {prefix: /v1/chat/completions}}
@@ -16,61 +16,321 @@ the line and the field.
       interactive:
         gpu: {type: H100, count: 1}
         models:                  # the ladder: primary first
-          - {name: llama-3-70b, path: meta-llama/Meta-Llama-3-70B-Instruct, aliases: [chat]}
+          - {name: llama-3-70b, path: meta-llama/Meta-Llama-3-70B-Instruct, aliases: [chat], max_num_seqs: 64}
           - {name: phi-3-mini, path: microsoft/Phi-3-mini-4k-instruct}
-        breakers: {...}          # sidecar/breakers.py BreakerConfig, by name
+        serving: {max_concurrent_requests: 256}   # infermesh/settings.py ServingSettings
+        breakers: {...}          # infermesh/settings.py BreakerConfig, by name
+
+The typed model, as other modules use it (every object is an immutable pydantic model):
+
+    policy.classes[name]            ClassSpec: .pool .objective .priority .sheddable .vllm_priority
+    policy.rules[i]                 Rule: .name .class_ (YAML `class`) .match .wire()
+    rule.match                      Match: .methods .path .headers .body .needs_body
+    match.path / body.model / …     StringMatch: .exact .prefix .regex, .kind ("exact"|"prefix"|"regex"), .value
+    match.headers[j]                HeaderMatch: .name .exact .prefix .regex .present,
+                                    .value_match (StringMatch | None), .must_be_absent
+    match.body                      BodyMatch: .stream .max_tokens .n .model .message_count
+                                    .prompt_chars .priority .service_tier (Range / StringMatch)
+    Range                           .min .max (either may be None)
+    policy.pools[name]              PoolSpec: .models (ModelSpec) .gpu .replicas .serving
+                                    .breakers .standby .monitor .when_degraded
+    policy.needs_body, policy.default_pool, policy.objective(cls), policy.failover(),
+    policy.degraded_overlay(levels), policy.filter_config(), policy.sidecar_config(pool, …)
+
+Rules are checked here with the same fields, limits, field paths and messages as the filter's
+own parser (filter/src/config.rs), so `policy check` refuses what the filter would refuse;
+mesh-config/tests/test_rule_contract.py holds the two to each other on a corpus. Field paths
+here are pydantic's (`rules.0.match.path`), the filter's are `rules[0].match.path`.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from re import _constants as sre_constants, _parser as sre_parse  # re's own parser: syntax check, size estimate
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
+                      model_validator)
 
-from infermesh.sidecar.breakers import BreakerConfig
+from infermesh.settings import (LEVEL_DOWN, NAME, ClassSettings, ModelSettings, PoolSettings, ServingSettings,
+                                Strict, check_ladder)
 
-NAME = r"^[A-Za-z0-9_-]{1,64}$"
+__all__ = [
+    "LEVEL_DOWN", "LOCAL_POLICY", "BodyMatch", "ClassSpec", "DegradedRouting", "FilterSpec", "GpuSpec", "HeaderMatch",
+    "Match", "ModelSpec", "Policy", "PolicyError", "PoolSpec", "Range", "Rule", "StringMatch", "load_policy",
+    "parse_policy",
+]
 
-LEVEL_DOWN = 4
-"""A pool's level while its sidecar is gone (unreachable, restarting, draining): above every
-breaker level (1 shedding, 2 fallback model, 3 critical only), so `when_degraded` applies."""
+RESERVED_RULE_NAMES = ("default", "trusted")
+"""Rule names the filter reports itself (classify.rs DEFAULT_RULE, TRUSTED_RULE)."""
+
+MAX_BODY_BYTES = 1024 * 1024 - 64 * 1024
+"""The filter's ceiling of `body.max_bytes` (config.rs MAX_MAX_BODY_BYTES)."""
+
+U64_MAX = 2**64 - 1
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class FieldError(ValueError):
+    """A validator's error about `sub` (a dotted path below the object validated, "" for itself)."""
+
+    def __init__(self, sub: str, message: str):
+        super().__init__(message)
+        self.sub, self.message = sub, message
 
 
-class ClassSpec(_Strict):
+def _token_error(value: str) -> str | None:
+    """config.rs check_token: names end up in header values and metric names."""
+    if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value):
+        return None
+    return f"`{value}` must be 1-64 characters of [A-Za-z0-9_-]"
+
+
+# ---- rules: the filter's match language (docs/filter.md) ---------------------------------------
+
+class _Rule(Strict):
+    # Field order is the wire order: `wire()` dumps the fields that were set, in this order.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class StringMatch(_Rule):
+    """Exactly one of `exact`, `prefix`, `regex` (Rust `regex` syntax, compiled size ≤ 1 MiB)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra={"minProperties": 1, "maxProperties": 1})
+
+    exact: StrictStr | None = None
+    prefix: StrictStr | None = None
+    regex: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "StringMatch":
+        _check_string_match(self.exact, self.prefix, self.regex)
+        return self
+
+    @property
+    def kind(self) -> Literal["exact", "prefix", "regex"]:
+        return "exact" if self.exact is not None else "prefix" if self.prefix is not None else "regex"
+
+    @property
+    def value(self) -> str:
+        return getattr(self, self.kind)
+
+
+def _check_string_match(exact: str | None, prefix: str | None, regex: str | None) -> None:
+    if sum(v is not None for v in (exact, prefix, regex)) != 1:
+        raise FieldError("", "exactly one of `exact`, `prefix`, `regex` is required")
+    if regex is not None and (why := regex_error(regex)):
+        raise FieldError("regex", f"invalid regex: {why}")
+
+
+class Range(_Rule):
+    """An inclusive numeric range; either end may be open, not both."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra={"minProperties": 1})
+
+    min: Annotated[StrictInt, Field(ge=0, le=U64_MAX)] | None = None
+    max: Annotated[StrictInt, Field(ge=0, le=U64_MAX)] | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "Range":
+        if self.min is None and self.max is None:
+            raise FieldError("", "a range needs `min`, `max` or both")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise FieldError("", f"min {self.min} is above max {self.max}")
+        return self
+
+
+_VALUE_KEYS = ("exact", "prefix", "regex")
+_HEADER_SCHEMA = {
+    "maxProperties": 3,
+    # At most one value match; `present: false` (must be absent) takes none.
+    "not": {"anyOf": [{"required": list(pair)} for pair in (("exact", "prefix"), ("exact", "regex"), ("prefix", "regex"))]},
+    "if": {"required": ["present"], "properties": {"present": {"const": False}}},
+    "then": {"not": {"anyOf": [{"required": [k]} for k in _VALUE_KEYS]}},
+}
+
+
+class HeaderMatch(_Rule):
+    """A header (gRPC metadata too) by lower-case name: a value match, present, or `present: false`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_HEADER_SCHEMA)
+
+    name: Annotated[StrictStr, Field(json_schema_extra={"pattern": "^[!-@[-~]+$", "description": "lower case"})]
+    exact: StrictStr | None = None
+    prefix: StrictStr | None = None
+    regex: StrictStr | None = None
+    present: StrictBool | None = None
+    """false: the header must be absent; true or unset without a value: it must be present."""
+
+    @model_validator(mode="after")
+    def _cond(self) -> "HeaderMatch":
+        b = self.name.encode()
+        if not b or any(65 <= c <= 90 or c <= 32 or c >= 0x7F for c in b):
+            raise FieldError("name", "header names must be non-empty lower-case tokens")
+        has_value = any(getattr(self, k) is not None for k in _VALUE_KEYS)
+        if self.present is False and has_value:
+            raise FieldError("", "`present: false` cannot be combined with a value match")
+        if has_value:
+            _check_string_match(self.exact, self.prefix, self.regex)
+        return self
+
+    @property
+    def value_match(self) -> StringMatch | None:
+        if all(getattr(self, k) is None for k in _VALUE_KEYS):
+            return None
+        return StringMatch(exact=self.exact, prefix=self.prefix, regex=self.regex)
+
+    @property
+    def must_be_absent(self) -> bool:
+        return self.present is False
+
+
+class BodyMatch(_Rule):
+    """Conditions on the OpenAI-style JSON body; a field absent or of the wrong type never matches,
+    except `stream` (absent: false) and `n` (absent: 1)."""
+
+    stream: StrictBool | None = None
+    max_tokens: Range | None = None
+    """On `max_completion_tokens`, else `max_tokens`."""
+    n: Range | None = None
+    model: StringMatch | None = None
+    message_count: Range | None = None
+    prompt_chars: Range | None = None
+    """Characters of prompt text: all messages' text content plus `prompt`."""
+    priority: StringMatch | None = None
+    """An integer `priority` is matched as its decimal string."""
+    service_tier: StringMatch | None = None
+
+
+class Match(_Rule):
+    """All conditions must hold; an empty match matches every request."""
+
+    methods: list[StrictStr] = []
+    """Any of these methods (case-insensitive)."""
+    path: StringMatch | None = None
+    """The path without the query string; `exact` and `prefix` start with `/`."""
+    headers: list[HeaderMatch] = []
+    body: BodyMatch | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, p: StringMatch | None) -> StringMatch | None:
+        if p is not None and p.kind != "regex" and not p.value.startswith("/"):
+            raise FieldError("", "a path must start with `/`")
+        return p
+
+    @property
+    def needs_body(self) -> bool:
+        """Whether the filter must read the body to judge this match."""
+        return self.body is not None
+
+
+class Rule(_Rule):
+    """One ordered rule: the first whose match holds decides the request's class."""
+
+    name: Annotated[StrictStr, Field(json_schema_extra={"pattern": NAME, "not": {"enum": list(RESERVED_RULE_NAMES)}})]
+    """Reported in `x-infermesh-rule` and the filter's metrics."""
+    class_: Annotated[StrictStr, Field(alias="class")]
+    """The class this rule gives a request (one of `classes`)."""
+    match: Match = Match()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if why := _token_error(name):
+            raise FieldError("", why)
+        if name in RESERVED_RULE_NAMES:
+            raise FieldError("", f"`{name}` is reserved")
+        return name
+
+    def wire(self) -> dict[str, Any]:
+        """The rule as the filter reads it: the fields the policy set, nothing added."""
+        return self.model_dump(by_alias=True, exclude_unset=True)
+
+
+# Rust regex (1.9) accepts a superset of this check's translation target on a few points and
+# refuses what Python's `re` accepts on others; this keeps to the cases where both are known.
+_RUST_ONLY = [
+    (re.compile(r"\\[pP](\{[^}]*\}|[A-Za-z])"), "x"),       # Unicode classes: \pL, \p{Greek}
+    (re.compile(r"\[\[:\^?[a-z]+:\]\]"), "[x]"),              # a bracket of one ASCII class
+    (re.compile(r"\[:\^?[a-z]+:\]"), "x"),                    # an ASCII class inside a bracket
+    (re.compile(r"\(\?<(?=[A-Za-z_])"), "(?P<"),              # (?<name>…)
+    (re.compile(r"\\z"), r"\\Z"),
+]
+# Compiled-size estimate per atom, against regex's 1 MiB size_limit (a pathological repetition
+# is a config error in the filter, not a memory hog); calibrated on the filter's parser.
+_ATOM_COST = {"literal": 1, "class": 12, "unicode_class": 400}
+_SIZE_LIMIT = 1 << 20
+
+
+def regex_error(pattern: str) -> str | None:
+    """Why the filter's `regex` crate would refuse `pattern`, or None."""
+    for feature, why in ((r"\(\?<?[=!]", "look-around, including look-ahead and look-behind, is not supported"),
+                         (r"\\[1-9]|\(\?P=", "backreferences are not supported"),
+                         (r"\(\?>", "atomic groups are not supported"),
+                         (r"[*+?}][+]", "possessive repetition is not supported")):
+        if re.search(feature, pattern):
+            return why
+    translated = pattern
+    for rx, repl in _RUST_ONLY:
+        translated = rx.sub(repl, translated)
+    try:
+        tree = sre_parse.parse(translated)
+    except (sre_constants.error, OverflowError, RecursionError) as e:
+        return str(e)
+    if _size(tree) > _SIZE_LIMIT:
+        return "Compiled regex exceeds size limit"
+    return None
+
+
+def _size(tree) -> float:
+    total = 0.0
+    for op, av in tree:
+        name = str(op).lower()
+        if name in ("max_repeat", "min_repeat"):
+            lo, hi, sub = av
+            total += _size(sub) * max(lo, hi if hi != sre_constants.MAXREPEAT else lo, 1)
+        elif name == "subpattern":
+            total += _size(av[-1])
+        elif name == "branch":
+            total += sum(_size(b) for b in av[1])
+        elif name in ("in", "category", "any"):
+            total += _ATOM_COST["unicode_class"] if _unicode(op, av) else _ATOM_COST["class"]
+        else:
+            total += _ATOM_COST["literal"]
+    return total
+
+
+def _unicode(op, av) -> bool:
+    cats = [av] if str(op).lower() == "category" else [a for o, a in (av if isinstance(av, list) else []) if str(o).lower() == "category"]
+    return any(str(c).lower().endswith(("digit", "word", "space")) for c in cats) or str(op).lower() == "any"
+
+
+# ---- classes, models, pools -------------------------------------------------------------------
+
+class ClassSpec(ClassSettings):
+    """A semantic class: the pool that serves it and how that pool treats it."""
+
     pool: Annotated[str, Field(pattern=NAME)]
     """The pool that serves this class."""
-    priority: Annotated[int, Field(ge=0, le=1000)] = 10
-    """Lower is more important; the lowest is kept when a pool serves critical classes only."""
-    sheddable: bool = False
-    """Refused first when a pool sheds load."""
     objective: Annotated[str, Field(pattern=NAME)] | None = None
-    """Gateway API Inference Extension objective name (x-gateway-inference-objective)."""
+    """Gateway API Inference Extension objective (x-gateway-inference-objective); default: the class name."""
 
 
-class ModelSpec(_Strict):
-    name: Annotated[str, Field(min_length=1, max_length=128)]
+class ModelSpec(ModelSettings):
     path: str | None = None
     """Checkpoint directory or hub id; default: the local model of that name ($INFERMESH_HOME/models)."""
-    aliases: list[str] = []
-    max_model_len: Annotated[int, Field(gt=0)] = 2048
-    kv_cache_bytes: Annotated[int, Field(gt=0)] = 128 << 20
-    """KV-cache size (CPU: RAM). On GPUs leave the default to vLLM's own sizing (future)."""
 
 
-class GpuSpec(_Strict):
+class GpuSpec(Strict):
     type: str = "cpu"
     """Accelerator class of the pool's nodes (H100, A100, L4, A10, cpu): used by the chart."""
     count: Annotated[int, Field(ge=0, le=16)] = 0
 
 
-class DegradedRouting(_Strict):
+class DegradedRouting(Strict):
     """What the mesh does while this pool is degraded (its sidecars report the level)."""
 
     at_level: Annotated[int, Field(ge=1, le=3)] = 3
@@ -84,79 +344,97 @@ class DegradedRouting(_Strict):
     """Answer these classes at the edge with 429 + Retry-After, before they reach any pool."""
 
 
-class PoolSpec(_Strict):
+class PoolSpec(PoolSettings):
     models: Annotated[list[ModelSpec], Field(min_length=1)]
     """The model ladder: primary first, lighter fallbacks after it (the first is a hot standby)."""
     gpu: GpuSpec = GpuSpec()
     replicas: Annotated[int, Field(ge=1, le=1000)] = 1
-    breakers: dict[Annotated[str, Field(pattern=NAME)], BreakerConfig] = {}
+    serving: ServingSettings = ServingSettings()
+    """Each sidecar's admission limits and streaming."""
     when_degraded: DegradedRouting | None = None
 
+    _unique_names = field_validator("models")(check_ladder)
 
-class FilterSpec(_Strict):
-    body_max_bytes: Annotated[int, Field(gt=0, le=983040)] = 262144
+
+def _cidr_error(s: str) -> str | None:
+    """config.rs Cidr::parse: an IP address, optionally /PREFIX (no zone ids, no spaces)."""
+    addr, _, prefix = s.partition("/")
+    try:
+        ip = ipaddress.ip_address(addr) if "%" not in addr and addr.strip() == addr else None
+    except ValueError:
+        ip = None
+    ok = ip is not None and (not _ or (re.fullmatch(r"\+?[0-9]+", prefix) is not None and int(prefix) <= ip.max_prefixlen))
+    return None if ok else f"`{s}` is not an IP network"
+
+
+class FilterSpec(Strict):
+    body_max_bytes: Annotated[int, Field(gt=0, le=MAX_BODY_BYTES)] = 262144
+    """Bodies up to this size are buffered when a rule needs them (below Envoy's 1 MiB per-connection buffer)."""
     trusted_cidrs: list[str] = []
-    trusted_principals: list[str] = []
+    """Peers whose x-infermesh-* headers are kept: an upstream infermesh hop already decided."""
+    trusted_principals: list[Annotated[str, Field(min_length=1)]] = []
+    """mTLS peer identities (URI SANs) whose x-infermesh-* headers are kept."""
     emit_objective_header: bool = False
+    """Also set x-gateway-inference-objective (Gateway API Inference Extension / llm-d)."""
+
+    @field_validator("trusted_cidrs")
+    @classmethod
+    def _cidrs(cls, cidrs: list[str]) -> list[str]:
+        for i, c in enumerate(cidrs):
+            if why := _cidr_error(c):
+                raise FieldError(str(i), why)
+        return cidrs
 
 
-class Policy(_Strict):
+class Policy(Strict):
     version: Annotated[int, Field(ge=1, le=1)] = 1
     default_class: str
     classes: Annotated[dict[Annotated[str, Field(pattern=NAME)], ClassSpec], Field(min_length=1)]
-    rules: list[dict[str, Any]] = []
-    """Filter rules, exactly as docs/filter.md describes; validated by the filter's own rules below."""
+    rules: list[Rule] = []
+    """Ordered: the first rule whose match holds decides (docs/filter.md)."""
     filter: FilterSpec = FilterSpec()
     pools: Annotated[dict[Annotated[str, Field(pattern=NAME)], PoolSpec], Field(min_length=1)]
 
     @model_validator(mode="after")
     def _references(self) -> "Policy":
         if self.default_class not in self.classes:
-            raise ValueError(f"default_class: {self.default_class!r} is not one of the classes {sorted(self.classes)}")
+            raise FieldError("default_class", f"{self.default_class!r} is not one of the classes {sorted(self.classes)}")
         for name, c in self.classes.items():
             if c.pool not in self.pools:
-                raise ValueError(f"classes.{name}.pool: {c.pool!r} is not one of the pools {sorted(self.pools)}")
+                raise FieldError(f"classes.{name}.pool", f"{c.pool!r} is not one of the pools {sorted(self.pools)}")
         for name, p in self.pools.items():
             wd = p.when_degraded
             if wd is None:
                 continue
             if wd.spill_to is not None and (wd.spill_to not in self.pools or wd.spill_to == name):
-                raise ValueError(f"pools.{name}.when_degraded.spill_to: {wd.spill_to!r} must be another of the pools {sorted(self.pools)}")
+                raise FieldError(f"pools.{name}.when_degraded.spill_to", f"{wd.spill_to!r} must be another of the pools {sorted(self.pools)}")
             for c in wd.shed_classes:
                 if c not in self.classes:
-                    raise ValueError(f"pools.{name}.when_degraded.shed_classes: {c!r} is not one of the classes {sorted(self.classes)}")
-        names: set[str] = set()
+                    raise FieldError(f"pools.{name}.when_degraded.shed_classes", f"{c!r} is not one of the classes {sorted(self.classes)}")
+        seen: set[str] = set()
         for i, r in enumerate(self.rules):
-            for key in r:
-                if key not in ("name", "class", "match"):
-                    raise ValueError(f"rules.{i}.{key}: unknown field (a rule has name, class, match)")
-            if not isinstance(r.get("name"), str) or not re.match(NAME, r["name"]):
-                raise ValueError(f"rules.{i}.name: a rule needs a name of [A-Za-z0-9_-]")
-            if r["name"] in names:
-                raise ValueError(f"rules.{i}.name: duplicate rule name {r['name']!r}")
-            names.add(r["name"])
-            if r.get("class") not in self.classes:
-                raise ValueError(f"rules.{i}.class: {r.get('class')!r} is not one of the classes {sorted(self.classes)}")
+            # The filter's wording (config.rs), in its order: name, then class.
+            if r.name in seen:
+                raise FieldError(f"rules.{i}.name", f"duplicate rule name `{r.name}`")
+            seen.add(r.name)
+            if r.class_ not in self.classes:
+                raise FieldError(f"rules.{i}.class", f"unknown class `{r.class_}`")
         return self
 
-    # ---- generators -------------------------------------------------------------------------
+    # ---- what other modules ask ---------------------------------------------------------------
 
-    def filter_config(self) -> dict:
-        """The Wasm filter's JSON config (Envoy `configuration`, Istio `pluginConfig`)."""
-        classes = {}
-        for name, c in self.classes.items():
-            classes[name] = {"pool": c.pool} | ({"objective": c.objective} if c.objective else {})
-        cfg: dict[str, Any] = {
-            "version": 1,
-            "default_class": self.default_class,
-            "classes": classes,
-            "rules": [dict(r) for r in self.rules],
-            "body": {"max_bytes": self.filter.body_max_bytes},
-            "emit_objective_header": self.filter.emit_objective_header,
-        }
-        if self.filter.trusted_cidrs or self.filter.trusted_principals:
-            cfg["trusted_sources"] = {"cidrs": list(self.filter.trusted_cidrs), "principals": list(self.filter.trusted_principals)}
-        return cfg
+    @property
+    def default_pool(self) -> str:
+        return self.classes[self.default_class].pool
+
+    @property
+    def needs_body(self) -> bool:
+        """Whether any rule reads the request body (then the filter must be able to pause)."""
+        return any(r.match.needs_body for r in self.rules)
+
+    def objective(self, cls: str) -> str:
+        """The class's x-gateway-inference-objective value (the filter's default: the class name)."""
+        return self.classes[cls].objective or cls
 
     def degraded_overlay(self, levels: dict[str, int]) -> tuple[dict[str, str], list[str]]:
         """(spill, shed_classes) for the pools' current levels (from their sidecars)."""
@@ -181,35 +459,45 @@ class Policy(_Strict):
         """pool -> the pool whose endpoints back it at priority 1 (its `when_degraded.spill_to`)."""
         return {n: p.when_degraded.spill_to for n, p in self.pools.items() if p.when_degraded and p.when_degraded.spill_to}
 
-    @property
-    def default_pool(self) -> str:
-        return self.classes[self.default_class].pool
+    # ---- generators ---------------------------------------------------------------------------
+
+    def filter_config(self) -> dict:
+        """The Wasm filter's JSON config (Envoy `configuration`, Istio `pluginConfig`)."""
+        classes = {}
+        for name, c in self.classes.items():
+            classes[name] = {"pool": c.pool} | ({"objective": c.objective} if c.objective else {})
+        cfg: dict[str, Any] = {
+            "version": 1,
+            "default_class": self.default_class,
+            "classes": classes,
+            "rules": [r.wire() for r in self.rules],
+            "body": {"max_bytes": self.filter.body_max_bytes},
+            "emit_objective_header": self.filter.emit_objective_header,
+        }
+        if self.filter.trusted_cidrs or self.filter.trusted_principals:
+            cfg["trusted_sources"] = {"cidrs": list(self.filter.trusted_cidrs), "principals": list(self.filter.trusted_principals)}
+        return cfg
 
     def sidecar_config(self, pool: str, models_dir: Path, *, host: str = "127.0.0.1", http_port: int = 8000,
                        grpc_port: int = 50051, admin_port: int = 0, admin_grpc_port: int = 0, instance: str = "0") -> dict:
-        """One pool's sidecar config (sidecar/config.py)."""
+        """One pool's sidecar config (infermesh.sidecar.config.SidecarConfig), every setting explicit."""
         p = self.pools[pool]
-        models = []
-        for i, m in enumerate(p.models):
-            models.append({
-                "name": m.name,
-                "path": m.path or str(models_dir / m.name),
-                "aliases": list(m.aliases),
-                "max_model_len": m.max_model_len,
-                "kv_cache_bytes": m.kv_cache_bytes,
-            })
-        # A request's class decides shedding; the sidecar knows every class, the mesh's
-        # default stands for requests that arrive without one.
-        classes = {n: {"priority": c.priority, "sheddable": c.sheddable} for n, c in self.classes.items()}
+        models = [m.model_dump(exclude={"path"}) | {"path": m.path or str(models_dir / m.name)} for m in p.models]
+        # The sidecar knows every class (a request's class decides shedding); the mesh's default
+        # stands for requests that arrive without one.
+        class_fields = set(ClassSettings.model_fields)
+        classes = {n: c.model_dump(include=class_fields) for n, c in self.classes.items()}
         return {
             "pool": pool,
             "instance": instance,
             "models": models,
-            "server": {"host": host, "http_port": http_port, "grpc_port": grpc_port},
+            "server": {"host": host, "http_port": http_port, "grpc_port": grpc_port} | p.serving.model_dump(),
             "admin": {"host": "127.0.0.1", "port": admin_port, "grpc_port": admin_grpc_port},
             "classes": classes,
             "default_class": self.default_class,
             "breakers": {n: b.model_dump() for n, b in p.breakers.items()},
+            "standby": p.standby,
+            "monitor": p.monitor.model_dump(),
         }
 
 
@@ -245,6 +533,18 @@ def _line_of(node: yaml.Node | None, loc: list) -> int | None:
     return best
 
 
+def _problem(err: dict) -> tuple[list, str]:
+    """(field path, message) of one pydantic error; a FieldError names a path below its object."""
+    loc, msg = list(err["loc"]), err["msg"]
+    e = (err.get("ctx") or {}).get("error")
+    if isinstance(e, FieldError):
+        loc += [int(x) if x.isdigit() else x for x in e.sub.split(".") if x]
+        msg = e.message
+    elif msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return loc, msg
+
+
 def parse_policy(text: str, path: str = "<policy>") -> Policy:
     try:
         node = yaml.compose(text)
@@ -259,13 +559,7 @@ def parse_policy(text: str, path: str = "<policy>") -> Policy:
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            loc = list(err["loc"])
-            msg = err["msg"]
-            # Cross-field checks report their own field path at the start of the message.
-            m = re.match(r"Value error, ([\w.\-]+): (.*)", msg)
-            if m and not loc:
-                loc = [int(x) if x.isdigit() else x for x in m.group(1).split(".")]
-                msg = m.group(2)
+            loc, msg = _problem(err)
             field = ".".join(str(x) for x in loc) or "(root)"
             problems.append((_line_of(node, loc), field, msg))
         raise PolicyError(path, problems) from e
@@ -282,4 +576,3 @@ def load_policy(path: str | Path) -> Policy:
 
 LOCAL_POLICY = Path(__file__).resolve().parent.parent / "policies" / "local.yaml"
 """The embedded default: two pools on one machine with the small local models."""
-

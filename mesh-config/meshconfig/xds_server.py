@@ -306,7 +306,7 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
 
 def pool_level(event: dict) -> int:
     """A pool's level from one admin event: its breaker actions, or DOWN while not serving."""
-    from infermesh.sidecar.breakers import ACTION_ORDER
+    from infermesh.settings import ACTION_ORDER
 
     if event.get("ready") is False or event.get("draining"):
         return LEVEL_DOWN
@@ -379,7 +379,7 @@ async def serve(cp: ControlPlane, host: str, port: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from infermesh import paths
-    from infermesh.sidecar.server import setup_logging
+    from infermesh.logs import setup_logging
 
     ap = argparse.ArgumentParser(prog="infermesh-xds", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", required=True)

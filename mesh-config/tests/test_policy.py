@@ -21,7 +21,7 @@ def test_example_policies_load_and_generate_valid_sidecar_configs(name, tmp_path
     f = p.filter_config()
     assert f["default_class"] == p.default_class
     assert {c: v["pool"] for c, v in f["classes"].items()} == {c: v.pool for c, v in p.classes.items()}
-    assert [r["name"] for r in f["rules"]] == [r["name"] for r in p.rules]
+    assert [r["name"] for r in f["rules"]] == [r.name for r in p.rules]
 
 
 def test_local_plan_is_the_local_policy():

@@ -1,0 +1,162 @@
+"""Typed settings that the mesh policy and the sidecar share: each defined once, with one default.
+
+The policy (`infermesh.meshconfig.policy`) embeds these types in its pools and classes; the
+sidecar's own config (`infermesh.sidecar.config`) is built from the same types, so a setting the
+policy leaves out gets the same default whether the sidecar reads a policy or a config file.
+
+This module imports neither `infermesh.meshconfig` nor `infermesh.sidecar` (only pydantic): both
+of those import it (see infermesh/tests/test_import_direction.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+NAME = r"^[A-Za-z0-9_-]{1,64}$"
+"""Class, pool, rule and breaker names: they end up in header values and metric names."""
+
+
+class Strict(BaseModel):
+    """Unknown keys are errors (a typo fails with its name) and values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---- levels and breaker actions ----------------------------------------------------------------
+
+Action = Literal["shed", "degrade", "critical_only"]
+"""What an open breaker does to the pool, mildest first:
+shed: refuse sheddable classes (429/RESOURCE_EXHAUSTED with Retry-After);
+degrade: serve new requests from the next model of the ladder (in-flight ones finish);
+critical_only: refuse everything but the highest-priority class."""
+
+ACTION_ORDER: dict[str, int] = {"shed": 1, "degrade": 2, "critical_only": 3}
+"""A pool's level is the highest of its open breakers' actions (0: none)."""
+
+LEVEL_DOWN = 4
+"""A pool's level while its sidecar is gone (unreachable, restarting, draining): above every
+breaker level (1 shedding, 2 fallback model, 3 critical only), so `when_degraded` applies."""
+
+Signal = Literal["gpu_memory", "kv_cache", "cpu_load", "ttft_p95", "error_rate"]
+
+
+class BreakerConfig(Strict):
+    """One breaker. Thresholds are in the signal's unit (fractions 0-1, or seconds for TTFT)."""
+
+    signal: Signal
+    """The reading this breaker watches."""
+    trip_above: Annotated[float, Field(ge=0)]
+    """Trip when the signal stays above this for `sustain_s`."""
+    recover_below: Annotated[float, Field(ge=0)]
+    """Recover only below this (lower: hysteresis), held for `recover_sustain_s`."""
+    sustain_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
+    """How long the signal must stay above `trip_above` before the breaker opens."""
+    recover_sustain_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    """How long the signal must stay below `recover_below` for each step back."""
+    min_samples: Annotated[int, Field(ge=1, le=10_000)] = 3
+    """Readings over the sustain window needed before judging at all."""
+    actions: Annotated[list[Action], Field(min_length=1)] = ["shed", "degrade"]
+    """Applied in order while the pressure lasts; undone in reverse order on recovery."""
+    escalate_after_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    """Still over `trip_above` this long after an action: apply the next one."""
+    half_open_trials: Annotated[int, Field(ge=1, le=10_000)] = 5
+    """Requests served normally in half-open before the breaker closes."""
+    half_open_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    """Half-open closes after this long without new pressure, even with fewer trials."""
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> "BreakerConfig":
+        if self.recover_below > self.trip_above:
+            raise ValueError(f"recover_below ({self.recover_below}) must not be above trip_above ({self.trip_above})")
+        if len(set(self.actions)) != len(self.actions):
+            raise ValueError("actions must not repeat")
+        if [ACTION_ORDER[a] for a in self.actions] != sorted(ACTION_ORDER[a] for a in self.actions):
+            raise ValueError("actions must escalate: shed, then degrade, then critical_only")
+        return self
+
+
+# ---- per class ------------------------------------------------------------------------------
+
+class ClassSettings(Strict):
+    """How a pool treats one semantic class (the mesh sets it in `x-infermesh-class`)."""
+
+    priority: Annotated[int, Field(ge=0, le=1000)] = 10
+    """Lower is more important; the lowest value is the class kept under `critical_only`."""
+    sheddable: bool = False
+    """Refused first (429 / RESOURCE_EXHAUSTED) when a breaker sheds."""
+    vllm_priority: Annotated[int, Field(ge=-1000, le=1000)] | None = None
+    """Passed to vLLM as the request priority; any class that sets it turns on vLLM's priority
+    scheduler (otherwise first come, first served)."""
+
+
+# ---- per model ------------------------------------------------------------------------------
+
+Dtype = Literal["auto", "bfloat16", "float16", "half", "float32", "float"]
+
+
+class ModelSettings(Strict):
+    """One model of a pool's ladder and how vLLM runs it (everything but where it is stored)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    """The id clients see in responses and `/v1/models`."""
+    aliases: list[str] = []
+    """Extra names accepted in a request's `model` field."""
+    max_model_len: Annotated[int, Field(gt=0, le=1_048_576)] = 2048
+    """Longest prompt plus completion, in tokens."""
+    kv_cache_bytes: Annotated[int, Field(gt=0)] = 128 << 20
+    """KV-cache size. On CPU it is RAM; an explicit size also skips vLLM's warm-up profiling."""
+    max_num_seqs: Annotated[int, Field(gt=0, le=4096)] = 32
+    """Sequences vLLM batches at once."""
+    dtype: Dtype = "auto"
+    """vLLM's weight and activation dtype."""
+
+
+def check_ladder(models: list) -> list:
+    """A ladder's model names and aliases are unique: a request's `model` names one model."""
+    seen: set[str] = set()
+    for m in models:
+        for n in [m.name, *m.aliases]:
+            if n in seen:
+                raise ValueError(f"model name or alias {n!r} is used twice")
+            seen.add(n)
+    return models
+
+
+# ---- per pool -------------------------------------------------------------------------------
+
+class ServingSettings(Strict):
+    """What one sidecar admits and how it streams (its fronts' limits)."""
+
+    max_body_bytes: Annotated[int, Field(gt=0)] = 4 << 20
+    """Largest HTTP request body / gRPC message accepted."""
+    max_concurrent_requests: Annotated[int, Field(gt=0)] = 256
+    """Requests in flight across both fronts; more get 429 / RESOURCE_EXHAUSTED."""
+    default_max_tokens: Annotated[int, Field(gt=0)] = 256
+    """Completion length when a request does not say."""
+    max_n: Annotated[int, Field(ge=1, le=128)] = 8
+    """Largest `n` (choices per request) accepted."""
+    stream_coalesce_ms: Annotated[float, Field(ge=0, le=1000)] = 10.0
+    """Under load, at most one streamed message per choice per this window (0: off)."""
+    stream_coalesce_min_inflight: Annotated[int, Field(ge=1)] = 8
+    """Coalescing starts at this many requests in flight; below it every step is sent at once."""
+
+
+class MonitorSettings(Strict):
+    """How the sidecar reads its signals."""
+
+    interval_s: Annotated[float, Field(gt=0, le=5)] = 0.25
+    """How often every signal is read and fed to the breakers."""
+    window_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """Sliding window of the sidecar's own TTFT and error measurements."""
+
+
+class PoolSettings(Strict):
+    """The sidecar settings of one pool that are not about its models or its addresses."""
+
+    breakers: dict[Annotated[str, Field(pattern=NAME)], BreakerConfig] = {}
+    """Resource breakers of this pool, by name."""
+    standby: bool = True
+    """Load the next model of the ladder at start, so degrading is a switch, not a cold start."""
+    monitor: MonitorSettings = MonitorSettings()
