@@ -4,7 +4,8 @@ It is never part of a mesh route (the mesh only knows the serving ports), and fa
 turned off entirely with `admin.allow_faults: false`.
 
     GET    /admin/state              pool state: level, actions, serving model, breakers, faults
-    GET    /admin/events             Server-Sent Events: one JSON object per breaker transition
+    GET    /admin/events             Server-Sent Events: the state, then one JSON object per event
+                                     (breaker transitions, draining)
     PUT    /admin/faults/{signal}    {"value": 0.97, "duration_s": 30}: override a reading
     PUT    /admin/faults/stall       {"value": 0.8, "duration_s": 20, "period_s": 1}: stop the
                                      primary model's engine processes for 80 % of every second
@@ -21,40 +22,36 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .breakers import Signal
-from .engine import EngineManager
+from .faults import STALL
+from .pool import Pool
 
 SIGNALS = set(Signal.__args__)  # type: ignore[attr-defined]
-STALL = "stall"
-"""Not a reading: a real stall of the primary model's engine processes."""
 
 
-def build_admin_app(engine: EngineManager) -> FastAPI:
+def build_admin_app(pool: Pool) -> FastAPI:
     app = FastAPI(title="infermesh sidecar admin", docs_url=None, redoc_url=None, openapi_url=None)
-    allow = engine.config.admin.allow_faults
+    allow = pool.config.admin.allow_faults
 
     def err(status: int, msg: str) -> JSONResponse:
         return JSONResponse({"error": {"message": msg, "type": "invalid_request_error"}}, status_code=status)
 
     @app.get("/admin/state")
     async def state():
-        return engine.state()
+        return pool.state()
 
     @app.get("/admin/events")
     async def events(request: Request):
-        q = engine.watch()
-
         async def gen():
-            try:
+            with pool.events.watch() as q:
                 # The current state first, so a watcher needs no separate GET.
-                yield b"event: state\ndata: " + json.dumps(engine.state()).encode() + b"\n\n"
+                yield b"event: state\ndata: " + json.dumps(pool.state()).encode() + b"\n\n"
                 while True:
                     try:
                         ev = await asyncio.wait_for(q.get(), timeout=15)
-                        yield b"event: transition\ndata: " + json.dumps(ev).encode() + b"\n\n"
+                        # Every event is sent as `transition` (drains too): what the control plane reads.
+                        yield b"event: transition\ndata: " + json.dumps(ev.wire()).encode() + b"\n\n"
                     except asyncio.TimeoutError:
                         yield b": keep-alive\n\n"
-            finally:
-                engine.unwatch(q)
 
         return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -76,24 +73,20 @@ def build_admin_app(engine: EngineManager) -> FastAPI:
         if signal == STALL:
             if not (0 < value <= 0.95) or not (0.05 <= period <= 10):
                 return err(400, "stall: value (the stopped fraction) must be in (0, 0.95] and period_s in [0.05, 10]")
-            if not engine.primary.pids:
+            if not pool.primary.pids:
                 return err(409, "the primary model's engine processes are not known (not loaded yet?)")
-            return {"signal": signal, **engine.start_stall(value, duration, period)}
-        engine.faults.set(signal, value, duration)
+            return {"signal": signal, **pool.faults.start_stall(pool.primary.pids, value, duration, period)}
+        pool.faults.set(signal, value, duration)
         return {"signal": signal, "value": value, "duration_s": duration}
 
     @app.delete("/admin/faults")
     async def clear_all():
-        engine.faults.clear()
-        engine.stop_stall()
+        pool.faults.clear()
         return {"cleared": "all"}
 
     @app.delete("/admin/faults/{signal}")
     async def clear_one(signal: str):
-        if signal == STALL:
-            engine.stop_stall()
-        else:
-            engine.faults.clear(signal)
+        pool.faults.clear(signal)
         return {"cleared": signal}
 
     return app

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .engine import Completion, EngineManager, GenerationRequest, TokenDelta
 from .errors import BadRequest, SidecarError
-from .metrics import SidecarMetrics
+from .events import BreakerChanged
+from .lifecycle import Front
+from .pool import Pool
 from .proto.infermesh.v1 import inference_pb2 as pb
 from .proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
+from .requests import GenerationRequest, TokenDelta
 
 log = logging.getLogger("infermesh.sidecar.grpc")
 
@@ -22,105 +23,86 @@ FULL_SERVICE = "infermesh.pool.full_service"
 """Health name that is SERVING only while the pool runs without any breaker action."""
 
 
+def generation_request(request: pb.GenerateRequest, request_class: str, max_n: int) -> GenerationRequest:
+    req = GenerationRequest(
+        model=request.model or None,
+        max_tokens=request.max_tokens or None,
+        temperature=request.temperature if request.HasField("temperature") else None,
+        top_p=request.top_p if request.HasField("top_p") else None,
+        seed=request.seed if request.HasField("seed") else None,
+        stop=list(request.stop),
+        request_id=request.request_id,
+        request_class=request_class,
+        n=request.n or 1,
+        ignore_eos=request.ignore_eos,
+    )
+    if req.n > max_n:
+        raise BadRequest(f"n must be at most {max_n}")
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        req.prompt = request.text
+    elif kind == "chat":
+        req.messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not req.messages:
+            raise BadRequest("chat.messages must not be empty")
+    else:
+        raise BadRequest("one of `text` or `chat` is required")
+    return req
+
+
+async def _abort(context: grpc.aio.ServicerContext, e: SidecarError) -> None:
+    if e.retry_after_s is not None:
+        context.set_trailing_metadata((("retry-after", str(max(1, int(round(e.retry_after_s))))),))
+    await context.abort(e.grpc_code, e.message)
+
+
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, engine: EngineManager, metrics: SidecarMetrics):
-        self.engine = engine
-        self.metrics = metrics
+    def __init__(self, pool: Pool):
+        self.pool = pool
 
     async def ListModels(self, request, context):
-        primary = self.engine.primary.config.name
+        primary = self.pool.primary.config.name
         return pb.ListModelsResponse(
-            models=[pb.ModelInfo(id=m.name, aliases=list(m.aliases), primary=m.name == primary) for m in self.engine.config.models]
+            models=[pb.ModelInfo(id=m.name, aliases=list(m.aliases), primary=m.name == primary) for m in self.pool.config.models]
         )
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         md = dict(context.invocation_metadata() or ())
         request_class = request.request_class or md.get("x-infermesh-class", "")
-        kind = request.WhichOneof("prompt")
-        req = GenerationRequest(
-            model=request.model or None,
-            max_tokens=request.max_tokens or None,
-            temperature=request.temperature if request.HasField("temperature") else None,
-            top_p=request.top_p if request.HasField("top_p") else None,
-            seed=request.seed if request.HasField("seed") else None,
-            stop=list(request.stop),
-            request_id=request.request_id,
-            request_class=request_class,
-            n=request.n or 1,
-            ignore_eos=request.ignore_eos,
-        )
-        status = "OK"
+        served_by = self.pool.config.served_by
         try:
-            if req.n > self.engine.config.server.max_n:
-                raise BadRequest(f"n must be at most {self.engine.config.server.max_n}")
-            if kind == "text":
-                req.prompt = request.text
-            elif kind == "chat":
-                req.messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-                if not req.messages:
-                    raise BadRequest("chat.messages must not be empty")
-            else:
-                raise BadRequest("one of `text` or `chat` is required")
-            adm = self.engine.admit(req)
-            rid = adm.request_id
+            req = generation_request(request, request_class, self.pool.config.server.max_n)
         except SidecarError as e:
-            self.metrics.count_rejection("grpc", "generate", request_class, e.grpc_code.name, e)
-            if e.retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after", str(max(1, int(round(e.retry_after_s))))),))
-            await context.abort(e.grpc_code, e.message)
+            self.pool.refuse(Front.GRPC, "generate", request_class, e)
+            await _abort(context, e)
             return
-        started = time.monotonic()
-        first = True
-        last = started
-        itl = self.metrics.itl.labels("grpc", request_class)
         try:
-            async for ev in self.engine.stream(req, adm):
-                if isinstance(ev, TokenDelta):
-                    now = time.monotonic()
-                    if first:
-                        self.metrics.ttft.labels("grpc", request_class).observe(now - started)
-                        first = False
-                    else:
-                        itl.observe((now - last) / max(1, len(ev.token_ids)))
-                    last = now
-                    yield pb.GenerateResponse(request_id=rid, chunk=pb.TokenChunk(text=ev.text, token_ids=ev.token_ids, index=ev.index))
-                elif isinstance(ev, Completion):
-                    self.metrics.prompt_tokens.labels(ev.model).inc(ev.prompt_tokens)
-                    self.metrics.completion_tokens.labels(ev.model).inc(ev.completion_tokens)
+            async with self.pool.lifecycle(req, Front.GRPC, "generate") as life:
+                rid = life.request_id
+                async for ev in life.events():
+                    if isinstance(ev, TokenDelta):
+                        yield pb.GenerateResponse(request_id=rid, chunk=pb.TokenChunk(text=ev.text, token_ids=ev.token_ids, index=ev.index))
+                        continue
                     context.set_trailing_metadata(
                         (
                             ("x-infermesh-model", ev.model),
                             ("x-infermesh-degraded", "true" if ev.degraded else "false"),
-                            ("x-infermesh-served-by", self.engine.config.served_by),
+                            ("x-infermesh-served-by", served_by),
                         )
                         + ((("x-infermesh-degraded-reason", ev.degraded_reason),) if ev.degraded_reason else ())
                     )
-                    usage = pb.Usage(
-                        prompt_tokens=ev.prompt_tokens,
-                        completion_tokens=ev.completion_tokens,
-                        total_tokens=ev.prompt_tokens + ev.completion_tokens,
-                    )
+                    usage = pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
+                                     total_tokens=ev.prompt_tokens + ev.completion_tokens)
                     yield pb.GenerateResponse(
                         request_id=rid,
                         final=pb.Final(
-                            finish_reason=ev.finish_reason,
-                            usage=usage,
-                            model=ev.model,
-                            degraded=ev.degraded,
-                            degraded_reason=ev.degraded_reason,
-                            served_by=self.engine.config.served_by,
+                            finish_reason=ev.finish_reason, usage=usage, model=ev.model, degraded=ev.degraded,
+                            degraded_reason=ev.degraded_reason, served_by=served_by,
                             finish_reasons=[ev.finish_reasons.get(i, ev.finish_reason) for i in range(req.n)],
                         ),
                     )
         except SidecarError as e:
-            status = e.grpc_code.name
-            await context.abort(e.grpc_code, e.message)
-        except BaseException:
-            status = "CANCELLED"
-            raise
-        finally:
-            await self.engine.release(rid)
-            self.metrics.requests.labels("grpc", "generate", request_class, status).inc()
+            await _abort(context, e)
 
 
 def pool_state_pb(state: dict) -> pb.PoolState:
@@ -137,37 +119,33 @@ def pool_state_pb(state: dict) -> pb.PoolState:
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, engine: EngineManager):
-        self.engine = engine
+    def __init__(self, pool: Pool):
+        self.pool = pool
 
     async def GetState(self, request, context):
-        return pool_state_pb(self.engine.state())
+        return pool_state_pb(self.pool.state())
 
     async def WatchState(self, request, context):
-        q = self.engine.watch()
-        try:
-            yield pb.PoolEvent(state=pool_state_pb(self.engine.state()))
+        with self.pool.events.watch() as q:
+            yield pb.PoolEvent(state=pool_state_pb(self.pool.state()))
             while True:
                 ev = await q.get()
-                if "breaker" not in ev:  # not a breaker transition (e.g. draining): the whole state
-                    yield pb.PoolEvent(state=pool_state_pb(self.engine.state()))
+                if not isinstance(ev, BreakerChanged):  # e.g. draining: the whole state
+                    yield pb.PoolEvent(state=pool_state_pb(self.pool.state()))
                     continue
                 yield pb.PoolEvent(
                     transition=pb.BreakerTransition(
-                        at_unix=ev["at"], breaker=ev["breaker"], from_state=ev["from"], to_state=ev["to"],
-                        actions=ev["actions"], pool_actions=ev["pool_actions"], serving_model=ev["serving_model"],
-                        reason=ev["reason"],
+                        at_unix=ev.at, breaker=ev.breaker, from_state=ev.from_state, to_state=ev.to_state,
+                        actions=ev.actions, pool_actions=ev.pool_actions, serving_model=ev.serving_model, reason=ev.reason,
                     )
                 )
-        finally:
-            self.engine.unwatch(q)
 
 
-async def start_admin_grpc(engine: EngineManager) -> tuple[grpc.aio.Server, int]:
+async def start_admin_grpc(pool: Pool) -> tuple[grpc.aio.Server, int]:
     """The admin gRPC server: its own port on the admin host (loopback by default)."""
-    cfg = engine.config.admin
+    cfg = pool.config.admin
     server = grpc.aio.server()
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(engine), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(pool), server)
     admin_service = pb.DESCRIPTOR.services_by_name["Admin"].full_name
     reflection.enable_server_reflection((admin_service, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
@@ -175,15 +153,15 @@ async def start_admin_grpc(engine: EngineManager) -> tuple[grpc.aio.Server, int]
     return server, port
 
 
-async def start_grpc(engine: EngineManager, metrics: SidecarMetrics) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    cfg = engine.config.server
+async def start_grpc(pool: Pool) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    cfg = pool.config.server
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", cfg.max_body_bytes),
             ("grpc.so_reuseport", 0),
         ]
     )
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, metrics), server)
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(pool), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -16,11 +16,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.background import BackgroundTask
 
-from .engine import Completion, EngineManager, GenerationRequest, TokenDelta
 from .errors import BadRequest, PayloadTooLarge, SidecarError
-from .metrics import SidecarMetrics
+from .lifecycle import Front, RequestLifecycle
+from .pool import Pool
+from .requests import Completion, GenerationRequest, TokenDelta
 
 log = logging.getLogger("infermesh.sidecar.http")
 
@@ -130,35 +130,26 @@ def _parse_common(body: dict, api: str, max_n: int = 1) -> GenerationRequest:
     return req
 
 
-def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
-    cfg = engine.config
+def build_app(pool: Pool) -> FastAPI:
+    cfg = pool.config
+    metrics = pool.metrics
     app = FastAPI(title="infermesh sidecar", docs_url=None, redoc_url=None, openapi_url=None)
-
-    def identity_headers(model: str, degraded: bool = False, reason: str = "") -> dict[str, str]:
-        h = {
-            "x-infermesh-model": model,
-            "x-infermesh-degraded": "true" if degraded else "false",
-            "x-infermesh-served-by": cfg.served_by,
-        }
-        if degraded and reason:
-            h["x-infermesh-degraded-reason"] = reason
-        return h
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.ready:
+        if pool.ready:
             return JSONResponse({"status": "ok", "pool": cfg.pool, "served_by": cfg.served_by})
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
     @app.get("/metrics")
     async def prom() -> Response:
-        metrics.inflight.set(engine.inflight)
+        metrics.inflight.set(pool.inflight)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
         now = int(time.time())
-        data = [{"id": name, "object": "model", "created": now, "owned_by": "infermesh"} for name in engine.model_ids()]
+        data = [{"id": name, "object": "model", "created": now, "owned_by": "infermesh"} for name in pool.model_ids()]
         return JSONResponse({"object": "list", "data": data})
 
     async def serve(request: Request, api: str) -> Response:
@@ -166,45 +157,35 @@ def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
         try:
             body = await _read_json(request, cfg.server.max_body_bytes)
             req = _parse_common(body, api, cfg.server.max_n)
-            req.request_class = request_class
-            stream = bool(body.get("stream", False))
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if stream else False
-            adm = engine.admit(req)
         except SidecarError as e:
-            metrics.count_rejection("http", api, request_class, str(e.http_status), e)
+            pool.refuse(Front.HTTP, api, request_class, e)
             return _error_response(e)
-        model = adm.engine.config
+        req.request_class = request_class
+        stream = bool(body.get("stream", False))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if stream else False
+        life = pool.lifecycle(req, Front.HTTP, api)
         created = int(time.time())
-        rid = ("chatcmpl-" if api == "chat" else "cmpl-") + req.request_id
-        events = engine.stream(req, adm)
-        started = time.monotonic()
         if stream:
-            gen = _sse(api, rid, created, model.name, events, include_usage, metrics, request_class, started, cfg.served_by, req.n)
-            headers = identity_headers(model.name, adm.degraded, adm.degraded_reason) | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            release = BackgroundTask(engine.release, req.request_id)
-            return StreamingResponse(gen, media_type="text/event-stream", headers=headers, background=release)
+            try:
+                adm = life.admit()  # before the response starts: a refusal gets its status
+            except SidecarError as e:
+                return _error_response(e)
+            rid = ("chatcmpl-" if api == "chat" else "cmpl-") + adm.request_id
+            model = adm.engine.config.name
+            gen = _sse(life, api, rid, created, model, include_usage, cfg.served_by, req.n)
+            headers = _identity_headers(cfg.served_by, model, adm.degraded, adm.degraded_reason)
+            return _LifecycleStream(life, gen, media_type="text/event-stream",
+                                    headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
-        final: Completion | None = None
-        first = True
         try:
-            async for ev in events:
-                if isinstance(ev, TokenDelta):
-                    if first:
-                        metrics.ttft.labels("http", request_class).observe(time.monotonic() - started)
-                        first = False
-                    texts.setdefault(ev.index, []).append(ev.text)
-                else:
-                    final = ev
+            async with life:
+                async for ev in life.events():
+                    if isinstance(ev, TokenDelta):
+                        texts.setdefault(ev.index, []).append(ev.text)
         except SidecarError as e:
-            metrics.requests.labels("http", api, request_class, str(e.http_status)).inc()
             return _error_response(e)
-        finally:
-            await engine.release(req.request_id)
-        if final is None:  # the engine ended a stream without its final event: a bug, not the client's fault
-            metrics.requests.labels("http", api, request_class, "500").inc()
-            return _error_response(SidecarError("generation ended without a result"))
-        _count(metrics, final)
-        metrics.requests.labels("http", api, request_class, "200").inc()
+        final = life.completion
+        rid = ("chatcmpl-" if api == "chat" else "cmpl-") + req.request_id
         choices = []
         for i in sorted(texts):
             content = "".join(texts[i])
@@ -222,7 +203,7 @@ def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
             "choices": choices,
             "usage": _usage(final, cfg.served_by),
         }
-        return JSONResponse(out, headers=identity_headers(final.model, final.degraded, final.degraded_reason))
+        return JSONResponse(out, headers=_identity_headers(cfg.served_by, final.model, final.degraded, final.degraded_reason))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -233,6 +214,29 @@ def build_app(engine: EngineManager, metrics: SidecarMetrics) -> FastAPI:
         return await serve(request, "completions")
 
     return app
+
+
+def _identity_headers(served_by: str, model: str, degraded: bool = False, reason: str = "") -> dict[str, str]:
+    h = {"x-infermesh-model": model, "x-infermesh-degraded": "true" if degraded else "false", "x-infermesh-served-by": served_by}
+    if degraded and reason:
+        h["x-infermesh-degraded-reason"] = reason
+    return h
+
+
+class _LifecycleStream(StreamingResponse):
+    """A streaming response that releases its request however the response ends, also when the
+    client left before the body began (then Starlette never starts the body iterator)."""
+
+    def __init__(self, life: RequestLifecycle, content: AsyncIterator[bytes], **kwargs):
+        super().__init__(content, **kwargs)
+        self.life = life
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self.life.close()
 
 
 def _usage(final: Completion, served_by: str) -> dict:
@@ -247,11 +251,6 @@ def _usage(final: Completion, served_by: str) -> dict:
             "served_by": served_by,
         },
     }
-
-
-def _count(metrics: SidecarMetrics, final: Completion) -> None:
-    metrics.prompt_tokens.labels(final.model).inc(final.prompt_tokens)
-    metrics.completion_tokens.labels(final.model).inc(final.completion_tokens)
 
 
 def delta_framer(api: str, rid: str, created: int, model: str, include_usage: bool) -> Callable[[int, str], bytes]:
@@ -273,19 +272,8 @@ def delta_framer(api: str, rid: str, created: int, model: str, include_usage: bo
     return frame
 
 
-async def _sse(
-    api: str,
-    rid: str,
-    created: int,
-    model: str,
-    events: AsyncIterator[TokenDelta | Completion],
-    include_usage: bool,
-    metrics: SidecarMetrics,
-    request_class: str,
-    started: float,
-    served_by: str,
-    n: int = 1,
-) -> AsyncIterator[bytes]:
+async def _sse(life: RequestLifecycle, api: str, rid: str, created: int, model: str, include_usage: bool, served_by: str,
+               n: int) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if api == "chat" else "text_completion"
 
     def chunk(choice: dict, usage: dict | None = None) -> bytes:
@@ -295,26 +283,15 @@ async def _sse(
         return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
     delta = delta_framer(api, rid, created, model, include_usage)
-    itl = metrics.itl.labels("http", request_class)
-    status = "200"
-    first = True
-    last = 0.0
     try:
-        if api == "chat":
-            for i in range(n):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
-        async for ev in events:
-            if isinstance(ev, TokenDelta):
-                now = time.monotonic()
-                if first:
-                    metrics.ttft.labels("http", request_class).observe(now - started)
-                    first = False
-                else:
-                    itl.observe((now - last) / max(1, len(ev.token_ids)))
-                last = now
-                yield delta(ev.index, ev.text)
-            else:
-                _count(metrics, ev)
+        async with life:
+            if api == "chat":
+                for i in range(n):
+                    yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+            async for ev in life.events():
+                if isinstance(ev, TokenDelta):
+                    yield delta(ev.index, ev.text)
+                    continue
                 for i in range(n):
                     reason = ev.finish_reasons.get(i, ev.finish_reason)
                     if api == "chat":
@@ -326,11 +303,4 @@ async def _sse(
         yield b"data: [DONE]\n\n"
     except SidecarError as e:
         # Headers are gone already: report the error in-band, as OpenAI does, and end the stream.
-        status = str(e.http_status)
         yield b"data: " + json.dumps(e.openai_body()).encode() + b"\n\n"
-    except BaseException:
-        status = "499"  # the client went away (nginx's convention)
-        raise
-    finally:
-        metrics.requests.labels("http", api, request_class, status).inc()
-

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .events import BreakerChanged, PoolEvent
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class SidecarMetrics:
+    """Every metric of one sidecar, on a registry of its own (a test can build as many as it likes)."""
+
     def __init__(self, pool: str, instance: str):
         self.registry = CollectorRegistry()
         labels = {"pool": pool, "instance_id": instance}
@@ -81,17 +85,18 @@ class SidecarMetrics:
         self.info.labels(**labels).set(1)
 
     def count_rejection(self, front: str, api: str, request_class: str, status: str, e) -> None:
+        """A request refused before generation: bad input, or admission (shed ones also by reason)."""
         self.requests.labels(front, api, request_class, status).inc()
         if e.code in ("pool_shedding", "pool_critical_only") or (e.http_status == 429):
             self.shed.labels(request_class or "unknown", e.code or "concurrency_limit").inc()
 
-    def count_transition(self, event: dict) -> None:
-        """EngineManager.on_change callback: one breaker state change (other events are ignored)."""
-        if "breaker" in event and event.get("from") != event.get("to"):
-            self.breaker_transitions.labels(event["breaker"], event["to"]).inc()
+    def count_transition(self, event: PoolEvent) -> None:
+        """An event-bus subscriber: counts breaker state changes (not action steps, not drains)."""
+        if isinstance(event, BreakerChanged) and event.from_state != event.to_state:
+            self.breaker_transitions.labels(event.breaker, event.to_state).inc()
 
     def observe_pool(self, engine, values: dict, interval_s: float) -> None:
-        """Called by the monitor loop after each sample."""
+        """Called by the pool's monitor loop after each sample."""
         codes = {"closed": 0, "half_open": 1, "open": 2}
         for b in engine.breakers:
             self.breaker_state.labels(b.name, b.config.signal).set(codes[b.state.value])

@@ -3,8 +3,9 @@
 - GPU memory used/total through NVML (nvidia-ml-py), when a GPU is present;
 - vLLM's KV-cache use and waiting queue, from the engine's own scheduler stats;
 - CPU load averaged over the cores this process may run on (psutil);
-- TTFT p95 and error rate from the sidecar's own measurements over a sliding window;
-- faults: values set through the admin API override any source for a while (drills).
+- TTFT p95 and error rate from the sidecar's own measurements over a sliding window.
+
+`Readings` puts the drill faults (faults.py) on top: an injected value replaces the real one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .faults import Faults
 
 log = logging.getLogger("infermesh.sidecar.monitors")
 
@@ -30,13 +35,9 @@ class Source:
 
 class CpuLoad(Source):
     """Busy fraction (0-1) of the CPUs in this process's affinity set, averaged over the last
-    `window_s` (1 s by default).
-
-    A reading over a single monitor interval (0.25 s, 25 scheduler ticks per core) jumps between
-    0 and 1 on a busy machine; a breaker that must see "above 0.95 for 30 s" would trip on noise
-    or miss a real overload. The window keeps the reading an average without slowing the
-    breaker's reaction by more than the window itself. Reads /proc/stat (psutil.cpu_times), not
-    psutil.cpu_percent, whose since-last-call state is shared by every caller in the process."""
+    `window_s` (1 s by default): one monitor interval alone is too noisy for a sustain window
+    (docs/breakers.md). Reads /proc/stat (psutil.cpu_times), not psutil.cpu_percent, whose
+    since-last-call state is shared by every caller in the process."""
 
     name = "cpu_load"
 
@@ -181,46 +182,10 @@ class FromFunction(Source):
         return self.fn()
 
 
-@dataclass
-class Fault:
-    value: float
-    until: float
-
-
-class Faults:
-    """Injected readings (admin API, drills): while active they replace the real source."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
-        self.active: dict[str, Fault] = {}
-
-    def set(self, signal: str, value: float, duration_s: float) -> None:
-        self.active[signal] = Fault(value, self.clock() + duration_s)
-
-    def clear(self, signal: str | None = None) -> None:
-        if signal is None:
-            self.active.clear()
-        else:
-            self.active.pop(signal, None)
-
-    def get(self, signal: str) -> float | None:
-        f = self.active.get(signal)
-        if f is None:
-            return None
-        if self.clock() >= f.until:
-            del self.active[signal]
-            return None
-        return f.value
-
-    def snapshot(self) -> dict:
-        now = self.clock()
-        return {k: {"value": f.value, "remaining_s": round(f.until - now, 2)} for k, f in self.active.items() if f.until > now}
-
-
 class Readings:
-    """All sources by signal name, with faults on top."""
+    """All sources by signal name, with injected faults on top."""
 
-    def __init__(self, sources: dict[str, Source], faults: Faults):
+    def __init__(self, sources: dict[str, Source], faults: "Faults"):
         self.sources = sources
         self.faults = faults
 

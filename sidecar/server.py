@@ -1,4 +1,4 @@
-"""Sidecar process: one vLLM engine, its gRPC and OpenAI HTTP fronts, in one asyncio loop.
+"""Sidecar process: the pool's vLLM engines, its gRPC and OpenAI HTTP fronts, in one asyncio loop.
 
     python -m infermesh.sidecar.server --config sidecar.yaml
     python -m infermesh.sidecar.server --policy policy.yaml --pool NAME [--host 0.0.0.0]
@@ -29,11 +29,11 @@ from pydantic import ValidationError
 from infermesh.logs import setup_logging
 
 from .config import ConfigError, SidecarConfig, load_config
-from .engine import EngineManager
 from .grpc_api import FULL_SERVICE, INFERENCE_SERVICE, start_admin_grpc, start_grpc
 from .admin_api import build_admin_app
 from .http_api import build_app
 from .metrics import SidecarMetrics
+from .pool import Pool
 
 log = logging.getLogger("infermesh.sidecar")
 
@@ -48,29 +48,28 @@ class _Uvicorn(uvicorn.Server):
 async def run(config: SidecarConfig) -> int:
     setup_logging({"pool": config.pool, "instance_id": config.instance})
     metrics = SidecarMetrics(config.pool, config.instance)
-    engine = EngineManager(config)
-    engine.on_change.append(metrics.count_transition)
+    pool = Pool(config, metrics=metrics)
     log.info("loading models", extra={"ladder": [m.name for m in config.models], "standby": config.standby})
-    engine.start()
-    for m in engine.ladder:
+    pool.start()
+    for m in pool.ladder:
         if m.load_seconds is not None:
             metrics.model_load.labels(m.config.name).set(m.load_seconds)
 
-    grpc_server, health_servicer, grpc_port = await start_grpc(engine, metrics)
+    grpc_server, health_servicer, grpc_port = await start_grpc(pool)
     # The admin API first: once /health says ready, everything this process serves is up.
     admin = _Uvicorn(
-        uvicorn.Config(build_admin_app(engine), host=config.admin.host, port=config.admin.port, log_level="warning",
+        uvicorn.Config(build_admin_app(pool), host=config.admin.host, port=config.admin.port, log_level="warning",
                        access_log=False, lifespan="off")
     )
     admin_task = asyncio.create_task(admin.serve())
     while not admin.started and not admin_task.done():
         await asyncio.sleep(0.05)
     admin_port = admin.servers[0].sockets[0].getsockname()[1] if admin.started else None
-    admin_grpc, admin_grpc_port = await start_admin_grpc(engine)
+    admin_grpc, admin_grpc_port = await start_admin_grpc(pool)
 
     http = _Uvicorn(
         uvicorn.Config(
-            build_app(engine, metrics),
+            build_app(pool),
             host=config.server.host,
             port=config.server.http_port,
             log_level="warning",
@@ -86,7 +85,7 @@ async def run(config: SidecarConfig) -> int:
         log.error("HTTP front failed to start")
         admin.should_exit = True
         await asyncio.gather(grpc_server.stop(0), admin_grpc.stop(0))
-        engine.shutdown()
+        pool.shutdown()
         return 1
 
     # grpc.health: "infermesh.pool.full_service" is SERVING only while no breaker action is on,
@@ -99,16 +98,15 @@ async def run(config: SidecarConfig) -> int:
 
     def on_sample(values: dict) -> None:
         nonlocal last_level
-        metrics.observe_pool(engine, values, config.monitor.interval_s)
-        if engine.policy.level != last_level:
-            last_level = engine.policy.level
+        if pool.policy.level != last_level:
+            last_level = pool.policy.level
             asyncio.get_running_loop().create_task(on_sample_health(last_level))
 
-    monitor_task = asyncio.create_task(engine.monitor_loop(on_sample))
+    monitor_task = asyncio.create_task(pool.monitor_loop(on_sample))
     log.info(
         "serving",
         extra={"http_port": config.server.http_port, "grpc_port": grpc_port, "admin_port": admin_port, "admin_grpc_port": admin_grpc_port,
-               "models": [m.config.name for m in engine.ladder if m.engine is not None]},
+               "models": [m.config.name for m in pool.ladder if m.engine is not None]},
     )
 
     stop = asyncio.Event()
@@ -118,12 +116,12 @@ async def run(config: SidecarConfig) -> int:
     await stop.wait()
 
     # Drain: stop advertising, refuse new work, let in-flight streams finish.
-    log.info("draining", extra={"in_flight": engine.inflight, "grace_s": config.server.drain_grace_s})
-    engine.begin_drain()
+    log.info("draining", extra={"in_flight": pool.inflight, "grace_s": config.server.drain_grace_s})
+    pool.begin_drain()
     for name in ("", INFERENCE_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     deadline = time.monotonic() + config.server.drain_grace_s
-    while engine.inflight and time.monotonic() < deadline:
+    while pool.inflight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     http.should_exit = True
     admin.should_exit = True
@@ -132,8 +130,8 @@ async def run(config: SidecarConfig) -> int:
     await admin_grpc.stop(0)
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(asyncio.gather(http_task, admin_task), timeout=5)
-    engine.shutdown()
-    log.info("stopped", extra={"left_in_flight": engine.inflight})
+    pool.shutdown()
+    log.info("stopped", extra={"left_in_flight": pool.inflight})
     return 0
 
 

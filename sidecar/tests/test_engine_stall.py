@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from infermesh.sidecar.engine import EngineStall
+from infermesh.sidecar.faults import EngineStall
 
 
 def _status_samples(pid: int, seconds: float) -> list[str]:

@@ -1,5 +1,5 @@
-"""The OpenAI HTTP front against a fake engine (no vLLM): request parsing, SSE framing, error
-JSON and status codes, identity headers. The real engine is covered by the e2e tests."""
+"""The OpenAI HTTP front on a pool of fake engines (conftest.py, no vLLM): request parsing, SSE
+framing, error JSON and status codes, identity headers. The real engine is covered by the e2e tests."""
 
 import json
 
@@ -7,43 +7,19 @@ import pytest
 from fastapi.testclient import TestClient
 
 from infermesh.sidecar.config import SidecarConfig
-from infermesh.sidecar.engine import Completion, EngineManager, TokenDelta
 from infermesh.sidecar.http_api import build_app
-from infermesh.sidecar.metrics import SidecarMetrics
 
 CONFIG = SidecarConfig.model_validate(
     {"pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "aliases": ["m"]}], "server": {"max_body_bytes": 2048}}
 )
 
 
-class FakeEngine(EngineManager):
-    """EngineManager whose generation is scripted: it yields the words of `reply` as tokens."""
-
-    reply = ["Hello", " world", "!"]
-
-    def __init__(self):
-        super().__init__(CONFIG)
-        self.primary.engine = object()  # "loaded"
-        self.seen = []
-        self.released = []
-
-    async def stream(self, req, adm):
-        self.seen.append(req)
-        for i, w in enumerate(self.reply):
-            yield TokenDelta(w, [i])
-        yield Completion("stop", 7, len(self.reply), adm.engine.config.name, adm.degraded, adm.degraded_reason)
-        self._forget(req.request_id)
-
-    async def release(self, rid):
-        self.released.append(rid)
-        self._forget(rid)
-
-
 @pytest.fixture
-def client():
-    engine = FakeEngine()
-    c = TestClient(build_app(engine, SidecarMetrics("interactive", "0")))
-    c.engine = engine
+def client(make_pool):
+    pool = make_pool(CONFIG)
+    c = TestClient(build_app(pool))
+    c.pool = pool
+    c.llm = pool.primary.engine  # the FakeAsyncLLM
     return c
 
 
@@ -53,7 +29,7 @@ def test_chat_non_stream(client):
     body = r.json()
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world!"}
-    assert body["usage"]["total_tokens"] == 10
+    assert body["usage"] == body["usage"] | {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
     assert body["usage"]["infermesh"]["served_by"] == "interactive/0"
     assert r.headers["x-infermesh-served-by"] == "interactive/0"
     assert r.headers["x-infermesh-model"] == "m-large"
@@ -77,14 +53,15 @@ def test_chat_stream_is_sse_with_usage_and_done(client):
     assert text == "Hello world!"
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
-    assert client.engine.released, "the stream's request must be released when the response ends"
+    assert client.pool.inflight == 0, "the stream's request must be released when the response ends"
+    assert not client.llm.aborted, "a finished request has nothing to abort"
 
 
 def test_completions_prompt(client):
     r = client.post("/v1/completions", json={"prompt": "say", "max_tokens": 3})
     assert r.status_code == 200
     assert r.json()["choices"][0]["text"] == "Hello world!"
-    assert client.engine.seen[0].prompt == "say" and client.engine.seen[0].max_tokens == 3
+    assert client.pool.metrics.registry.get_sample_value("infermesh_sidecar_prompt_tokens_total", {"model": "m-large"}) == 3
 
 
 @pytest.mark.parametrize(
@@ -109,11 +86,11 @@ def test_bad_requests_get_openai_errors(client, path, body, status, param):
     err = r.json()["error"]
     assert err["message"] and err["type"] in ("invalid_request_error",)
     assert err["param"] == param
-    assert not client.engine.seen, "a rejected request must not reach the engine"
+    assert not client.llm.priorities, "a rejected request must not reach the engine"
 
 
 def test_overload_is_429_with_retry_after(client):
-    client.engine._inflight.update({f"r{i}": None for i in range(CONFIG.server.max_concurrent_requests)})
+    client.pool.admission.inflight.update({f"r{i}": client.pool.primary for i in range(CONFIG.server.max_concurrent_requests)})
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 429
     assert r.headers["retry-after"] == "1"
@@ -121,7 +98,7 @@ def test_overload_is_429_with_retry_after(client):
 
 
 def test_not_ready_is_503(client):
-    client.engine.primary.engine = None
+    client.pool.primary.engine = None
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and "retry-after" in r.headers
     assert client.get("/health").status_code == 503

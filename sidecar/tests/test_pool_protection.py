@@ -1,22 +1,16 @@
-"""Admission under breaker actions, with fake engines and a fake clock: which classes are shed,
-which model serves, what the response says, and the admin API. No vLLM here (see e2e)."""
+"""Admission under breaker actions, with fake engines (conftest.py) and a fake clock: which
+classes are shed, which model serves, what the response says, and the admin API. No vLLM here
+(see e2e)."""
 
 import pytest
 from fastapi.testclient import TestClient
 
 from infermesh.sidecar.admin_api import build_admin_app
 from infermesh.sidecar.config import SidecarConfig
-from infermesh.sidecar.engine import EngineManager, GenerationRequest
 from infermesh.sidecar.errors import Overloaded, Unavailable
-from infermesh.sidecar.monitors import Faults, Readings
-
-
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from infermesh.sidecar.events import BreakerChanged
+from infermesh.sidecar.faults import Faults
+from infermesh.sidecar.requests import GenerationRequest
 
 
 CFG = SidecarConfig.model_validate(
@@ -31,21 +25,11 @@ CFG = SidecarConfig.model_validate(
 )
 
 
-class FakeAsyncLLM:
-    def get_num_unfinished_requests(self):
-        return 0
-
-
 @pytest.fixture
-def pool():
-    clock = FakeClock()
-    e = EngineManager(CFG, clock)
-    for m in e.ladder:
-        m.engine = FakeAsyncLLM()  # both "loaded": the small model is the hot standby
-    e.faults = Faults(clock)
-    e.readings = Readings({}, e.faults)
-    e.clock_ = clock
-    return e
+def pool(make_pool, fake_clock):
+    p = make_pool(CFG, fake_clock)  # both models loaded: the small one is the hot standby
+    p.clock_ = fake_clock
+    return p
 
 
 def tick(pool, seconds, every=0.25):
@@ -55,7 +39,7 @@ def tick(pool, seconds, every=0.25):
 
 
 def ask(pool, cls, model="m"):
-    return pool.admit(GenerationRequest(model=model, prompt="x", request_class=cls))
+    return pool.admission.admit(GenerationRequest(model=model, prompt="x", request_class=cls))
 
 
 def test_normal_service_is_the_primary_model(pool):
@@ -107,7 +91,7 @@ def test_recovery_undoes_one_step_at_a_time_then_half_open_trial_closes(pool):
     adm = ask(pool, "batch")  # one trial
     assert adm.engine.config.name == "big"
     assert pool.breakers[0].state.value == "closed"
-    kinds = [(ev["to"], tuple(ev["pool_actions"])) for ev in pool.transitions]
+    kinds = [(ev.to_state, tuple(ev.pool_actions)) for ev in pool.events.recent if isinstance(ev, BreakerChanged)]
     assert kinds == [
         ("open", ("shed",)), ("open", ("degrade", "shed")), ("open", ("critical_only", "degrade", "shed")),
         ("open", ("degrade", "shed")), ("open", ("shed",)), ("half_open", ()), ("closed", ()),
@@ -129,15 +113,14 @@ def test_admin_api_state_and_faults(pool):
     assert c.get("/admin/state").json()["faults"] == {}
 
 
-def test_faults_can_be_disabled():
+def test_faults_can_be_disabled(make_pool):
     cfg = CFG.model_copy(update={"admin": CFG.admin.model_copy(update={"allow_faults": False})})
-    e = EngineManager(cfg)
-    c = TestClient(build_admin_app(e))
+    c = TestClient(build_admin_app(make_pool(cfg)))
     assert c.put("/admin/faults/kv_cache", json={"value": 0.99}).status_code == 403
 
 
-def test_faults_expire():
-    clock = FakeClock()
+def test_faults_expire(fake_clock):
+    clock = fake_clock
     f = Faults(clock)
     f.set("cpu_load", 1.0, 5)
     assert f.get("cpu_load") == 1.0

@@ -1,0 +1,264 @@
+"""The pool's vLLM engines: one AsyncLLM per model of the ladder, and the ladder itself (which
+model serves new requests, vLLM's sleep mode for the primary while the pool is degraded).
+
+vLLM is imported only where an engine is started or fed, so the rest of the sidecar (and its
+unit tests) load without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from .config import ModelConfig
+from .errors import BadRequest, EngineFailed, UnknownModel
+from .monitors import EngineStats
+from .requests import Completion, GenerationRequest, TokenDelta
+
+log = logging.getLogger("infermesh.sidecar.engines")
+
+
+class _StatsLogger:
+    """A vLLM stat logger that keeps the latest scheduler stats for the monitors."""
+
+    def __init__(self, sink: EngineStats):
+        self.sink = sink
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+        if scheduler_stats is not None:
+            self.sink.kv_cache_usage = scheduler_stats.kv_cache_usage
+            self.sink.running = scheduler_stats.num_running_reqs
+            self.sink.waiting = scheduler_stats.num_waiting_reqs
+            self.sink.updated = time.monotonic()
+
+    def log_engine_initialized(self):
+        pass
+
+    def log(self):
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int):
+        pass
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+class ModelEngine:
+    """One vLLM AsyncLLM serving one model of the ladder."""
+
+    def __init__(self, config: ModelConfig, priority_scheduling: bool = False):
+        self.config = config
+        self.priority_scheduling = priority_scheduling
+        self.engine = None
+        self.tokenizer = None
+        self.stats = EngineStats()
+        self.load_seconds: float | None = None
+        self.inflight = 0
+        self.sleeping = False
+        self.pids: list[int] = []
+        """vLLM's engine-core process(es) of this model: what the stall fault stops."""
+
+    def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        m = self.config
+        t0 = time.monotonic()
+        args = AsyncEngineArgs(
+            model=m.path,
+            served_model_name=[m.name],
+            tokenizer=m.path,
+            max_model_len=m.max_model_len,
+            kv_cache_memory_bytes=m.kv_cache_bytes,
+            max_num_seqs=m.max_num_seqs,
+            dtype=m.dtype,
+            enforce_eager=True,
+            disable_log_stats=True,
+            scheduling_policy="priority" if self.priority_scheduling else "fcfs",
+        )
+        sink = self.stats
+
+        class Logger(_StatsLogger, StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                _StatsLogger.__init__(self, sink)
+
+        before = _child_pids()
+        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[Logger])
+        self.pids = sorted(_child_pids() - before)
+        self.tokenizer = self.engine.get_tokenizer()
+        self.load_seconds = time.monotonic() - t0
+        log.info("engine ready", extra={"model": m.name, "load_seconds": round(self.load_seconds, 2)})
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    # -- one generation ----------------------------------------------------------------------
+
+    def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        tok = self.tokenizer
+        if req.messages is not None:
+            try:
+                text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # a template error is the request's fault (bad roles, …)
+                raise BadRequest(f"cannot render messages with the chat template: {e}", param="messages") from e
+            return list(tok.encode(text, add_special_tokens=False))
+        if req.prompt is None:
+            raise BadRequest("a prompt is required", param="prompt")
+        return list(tok.encode(req.prompt, add_special_tokens=True))
+
+    def sampling_kwargs(self, req: GenerationRequest, prompt_len: int, default_max_tokens: int) -> dict:
+        """vLLM's SamplingParams for `req` as keywords; a prompt too long for the model is the client's error."""
+        max_model_len = self.config.max_model_len
+        max_tokens = req.max_tokens or min(default_max_tokens, max_model_len - prompt_len)
+        if max_tokens <= 0 or prompt_len + max_tokens > max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in the messages, {max(max_tokens, 0)} in the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        kwargs: dict = {"max_tokens": max_tokens, "n": req.n, "ignore_eos": req.ignore_eos}
+        if req.temperature is not None:
+            kwargs["temperature"] = req.temperature
+        if req.top_p is not None:
+            kwargs["top_p"] = req.top_p
+        if req.seed is not None:
+            kwargs["seed"] = req.seed
+        if req.stop:
+            kwargs["stop"] = list(req.stop)
+        return kwargs
+
+    def sampling_params(self, req: GenerationRequest, prompt_len: int, default_max_tokens: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        kwargs = self.sampling_kwargs(req, prompt_len, default_max_tokens)
+        try:
+            return SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
+        except (ValueError, TypeError) as e:
+            raise BadRequest(str(e)) from e
+
+    def _vllm_prompt(self, prompt_ids: list[int]):
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=prompt_ids)
+
+    async def generate(self, req: GenerationRequest, prompt_ids: list[int], params, priority: int,
+                       pause_s: Callable[[], float]) -> AsyncIterator[TokenDelta | Completion]:
+        """vLLM's outputs as TokenDeltas, then one Completion when vLLM finished the request.
+
+        After a step that produced tokens it waits `pause_s()` seconds (coalescing, see
+        RequestLifecycle). A vLLM failure is raised as EngineFailed (vLLM has dropped the request)."""
+        completion_tokens = 0
+        finish: dict[int, str] = {}
+        try:
+            async for out in self.engine.generate(self._vllm_prompt(prompt_ids), params, req.request_id, priority=priority):
+                produced = False
+                for o in out.outputs:
+                    completion_tokens += len(o.token_ids)
+                    if o.finish_reason:
+                        finish[o.index] = o.finish_reason
+                    if o.text or o.token_ids:
+                        produced = True
+                        yield TokenDelta(o.text, list(o.token_ids), o.index)
+                if out.finished:
+                    yield Completion(finish.get(0, "stop"), len(prompt_ids), completion_tokens, self.config.name,
+                                     finish_reasons={i: finish.get(i, "stop") for i in range(req.n)})
+                    return
+                if produced and (wait := pause_s()) > 0:
+                    await asyncio.sleep(wait)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:
+            log.exception("generation failed", extra={"request_id": req.request_id})
+            raise EngineFailed(f"generation failed: {type(e).__name__}") from e
+
+    async def abort(self, request_id: str) -> None:
+        """Free a request's KV cache in vLLM now; harmless when vLLM no longer has it."""
+        if self.engine is None:
+            return
+        try:
+            await self.engine.abort(request_id)
+            log.info("aborted request", extra={"request_id": request_id})
+        except Exception:  # the engine may be shutting down; nothing is left to free
+            log.debug("abort failed", exc_info=True)
+
+
+def _gpu_present() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+class Ladder:
+    """The pool's models, primary first, lighter fallbacks after it."""
+
+    def __init__(self, models: list[ModelConfig], priority_scheduling: bool = False, make_engine: type[ModelEngine] = ModelEngine):
+        self.engines = [make_engine(m, priority_scheduling) for m in models]
+        self.primary = self.engines[0]
+        self.gpu = False
+        """Decided at start: vLLM's sleep mode needs CUDA."""
+
+    def __iter__(self) -> Iterator[ModelEngine]:
+        return iter(self.engines)
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def __getitem__(self, i: int) -> ModelEngine:
+        return self.engines[i]
+
+    def start(self, standby: bool) -> None:
+        """Load the primary model and, with `standby`, the next one (blocking: tens of seconds on CPU)."""
+        self.gpu = _gpu_present()
+        self.primary.start()
+        if standby and len(self.engines) > 1:
+            self.engines[1].start()
+
+    def shutdown(self) -> None:
+        for m in self.engines:
+            m.shutdown()
+
+    def serving(self, degrade: bool) -> ModelEngine:
+        """The model new requests for the primary get: the next loaded one while degraded."""
+        if degrade:
+            for m in self.engines[1:]:
+                if m.engine is not None:
+                    return m
+        return self.primary
+
+    def resolve(self, name: str | None) -> ModelEngine:
+        """The model a request names (by name or alias); none named is the primary."""
+        if not name:
+            return self.primary
+        for m in self.engines:
+            if name == m.config.name or name in m.config.aliases:
+                return m
+        raise UnknownModel(name, [n for m in self.engines for n in (m.config.name, *m.config.aliases)])
+
+    async def apply_sleep_mode(self, degraded: bool) -> None:
+        """On a GPU, a degraded pool puts the primary to sleep once its in-flight requests are done,
+        so its memory is really freed, and wakes it when the pool recovers. Off on CPU."""
+        primary = self.primary
+        if not self.gpu or len(self.engines) < 2 or primary.engine is None:
+            return
+        if degraded and not primary.sleeping and primary.inflight == 0:
+            await primary.engine.sleep(level=1)
+            primary.sleeping = True
+            log.warning("primary model asleep", extra={"model": primary.config.name})
+        elif not degraded and primary.sleeping:
+            await primary.engine.wake_up()
+            primary.sleeping = False
+            log.warning("primary model awake", extra={"model": primary.config.name})

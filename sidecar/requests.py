@@ -1,0 +1,49 @@
+"""What both fronts ask of the pool and what a generation streams back, front-neutral."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationRequest:
+    """One request as a front parsed it (OpenAI JSON or the gRPC message)."""
+
+    model: str | None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+    ignore_eos: bool = False
+    request_id: str = ""
+    """Empty: admission assigns one."""
+    request_class: str = ""
+    """As the mesh sent it (`x-infermesh-class`); admission maps unknown ones to the default class."""
+
+
+@dataclass
+class TokenDelta:
+    """New text of one choice."""
+
+    text: str
+    token_ids: list[int]
+    index: int = 0
+    """Which of the `n` choices these tokens belong to."""
+
+
+@dataclass
+class Completion:
+    """The last event of every stream."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    model: str
+    degraded: bool = False
+    degraded_reason: str = ""
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    """Per choice index (n > 1); `finish_reason` is choice 0's."""

@@ -1,0 +1,113 @@
+"""Fakes for the sidecar's unit tests: a pool whose engines are scripted stand-ins for vLLM.
+
+Everything above vLLM is real (admission, the lifecycle, the breakers, the metrics registry, the
+fronts); the e2e tests run the same code on real vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from infermesh.sidecar.config import SidecarConfig
+from infermesh.sidecar.engines import ModelEngine
+from infermesh.sidecar.monitors import Readings
+from infermesh.sidecar.pool import Pool
+
+
+class FakeClock:
+    """Time that moves only when a test says so."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeTokenizer:
+    """One token per character: prompt lengths are easy to reason about."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> str:
+        return "".join(m["content"] for m in messages)
+
+
+class FakeAsyncLLM:
+    """Stands in for vLLM's AsyncLLM: each request streams the words of `reply` (one token each)
+    for every choice, then finishes with `finish`.
+
+    `gate`, when set, holds every request after its first step until the test opens it;
+    `fail_after`, when set, raises inside generation after that many steps, as a dying engine would."""
+
+    def __init__(self, reply=("Hello", " world", "!"), finish: str = "stop"):
+        self.reply, self.finish = list(reply), finish
+        self.gate: asyncio.Event | None = None
+        self.fail_after: int | None = None
+        self.unfinished: set[str] = set()
+        self.aborted: list[str] = []
+        self.priorities: list[int] = []
+
+    async def generate(self, prompt, params: dict, request_id: str, priority: int = 0):
+        self.priorities.append(priority)
+        self.unfinished.add(request_id)
+        for step, word in enumerate(self.reply):
+            if self.fail_after is not None and step >= self.fail_after:
+                self.unfinished.discard(request_id)
+                raise RuntimeError("the fake engine died")
+            last = step == len(self.reply) - 1
+            outs = [SimpleNamespace(index=i, text=word, token_ids=[step], finish_reason=self.finish if last else None)
+                    for i in range(params["n"])]
+            if last:
+                self.unfinished.discard(request_id)
+            yield SimpleNamespace(outputs=outs, finished=last)
+            if step == 0 and self.gate is not None:
+                await self.gate.wait()
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.unfinished.discard(request_id)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.unfinished)
+
+
+class FakeModelEngine(ModelEngine):
+    """A ModelEngine on a FakeAsyncLLM: no vLLM import, no processes."""
+
+    def start(self) -> None:
+        self.engine = FakeAsyncLLM()
+        self.tokenizer = FakeTokenizer()
+
+    def sampling_params(self, req, prompt_len: int, default_max_tokens: int) -> dict:
+        return self.sampling_kwargs(req, prompt_len, default_max_tokens)
+
+    def _vllm_prompt(self, prompt_ids):
+        return prompt_ids
+
+
+@pytest.fixture
+def fake_clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def make_pool():
+    """make_pool(config, clock=None, loaded=True) -> a Pool on FakeModelEngines, every model loaded
+    (the fallback as a hot standby) and no monitor sources (readings come from faults only)."""
+
+    def make(config: SidecarConfig | dict, clock=None, loaded: bool = True) -> Pool:
+        if isinstance(config, dict):
+            config = SidecarConfig.model_validate(config)
+        pool = Pool(config, clock, make_engine=FakeModelEngine) if clock else Pool(config, make_engine=FakeModelEngine)
+        if loaded:
+            for m in pool.ladder:
+                m.start()
+        pool.readings = Readings({}, pool.faults)
+        return pool
+
+    return make
