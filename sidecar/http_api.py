@@ -37,12 +37,8 @@ DISCARD_MAX_BYTES = 64 << 20
 
 
 async def _discard_rest(request: Request, seen: int) -> None:
-    """Read (and drop) the rest of a refused body, up to DISCARD_MAX_BYTES.
-
-    Answering before the body is in and closing the connection resets it under a client (or a
-    proxy) still sending: the 413 never arrives and the client sees a broken connection (the
-    bad-requests drill lost 2 in 8 of its 5 MiB requests that way). Draining first is nginx's
-    lingering close; past the cap the connection is closed anyway."""
+    """Read (and drop) the rest of a refused body, up to DISCARD_MAX_BYTES, so the 413 reaches a
+    client still sending instead of a reset (nginx's lingering close; docs/sidecar.md)."""
     async for chunk in request.stream():
         seen += len(chunk)
         if seen > DISCARD_MAX_BYTES:

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"infermesh-sidecar: {e}", file=sys.stderr)
         return 2
     # uvloop, as vLLM's own server runs: every streamed message and gRPC call costs less loop
-    # time (a grpc.aio round trip here: 0.75-0.88 ms against 0.88-1.0 ms on asyncio's loop).
+    # time (measured in docs/sidecar.md).
     if args.event_loop == "asyncio":
         return asyncio.run(run(config))
     return uvloop.run(run(config))
