@@ -156,11 +156,17 @@ class RequestLifecycle:
         if self._closed:
             return
         self._closed = True
-        if self._events is not None:
-            await self._events.aclose()
-        adm = self.admission
-        if adm is None:
-            return
+        try:
+            if self._events is not None:
+                await self._events.aclose()
+        finally:
+            if self.admission is not None:
+                self._record(error)
+                self.pool.admission.forget(self.admission.request_id)
+                if self._submitted and not self._vllm_done:
+                    await self.admission.engine.abort(self.admission.request_id)
+
+    def _record(self, error: BaseException | None) -> None:
         m = self.pool.metrics
         if isinstance(error, SidecarError):
             status = self.front.status(error)
@@ -170,9 +176,6 @@ class RequestLifecycle:
             status = self.front.gone
         m.requests.labels(self.front.value, self.api, self.label_class, status).inc()
         if self.prompt_tokens:
-            model = adm.engine.config.name
+            model = self.admission.engine.config.name
             m.prompt_tokens.labels(model).inc(self.prompt_tokens)
             m.completion_tokens.labels(model).inc(self.completion_tokens)
-        self.pool.admission.forget(adm.request_id)
-        if self._submitted and not self._vllm_done:
-            await adm.engine.abort(adm.request_id)

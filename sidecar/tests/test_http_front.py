@@ -55,6 +55,20 @@ def test_chat_stream_is_sse_with_usage_and_done(client):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     assert client.pool.inflight == 0, "the stream's request must be released when the response ends"
     assert not client.llm.aborted, "a finished request has nothing to abort"
+    reg = client.pool.metrics.registry
+    labels = {"front": "http", "request_class": ""}
+    assert reg.get_sample_value("infermesh_sidecar_requests_total", labels | {"api": "chat", "status": "200"}) == 1
+    assert reg.get_sample_value("infermesh_sidecar_time_to_first_token_seconds_count", labels) == 1
+    assert reg.get_sample_value("infermesh_sidecar_inter_token_latency_seconds_count", labels) == 2
+    assert reg.get_sample_value("infermesh_sidecar_completion_tokens_total", {"model": "m-large"}) == 3
+
+
+def test_stream_of_n_choices_frames_each_choice(client):
+    with client.stream("POST", "/v1/completions", json={"prompt": "x", "n": 2, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    text = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in (0, 1)}
+    assert text == {0: "Hello world!", 1: "Hello world!"}
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-2:] == ["stop", "stop"]
 
 
 def test_completions_prompt(client):
