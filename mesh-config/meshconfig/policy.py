@@ -48,7 +48,6 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from re import _constants as sre_constants, _parser as sre_parse  # re's own parser: syntax check, size estimate
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -57,6 +56,8 @@ from pydantic import (ConfigDict, Field, StrictBool, StrictInt, StrictStr, Valid
 
 from infermesh.settings import (LEVEL_DOWN, NAME, ClassSettings, ModelSettings, PoolSettings, ServingSettings,
                                 Strict, check_ladder)
+
+from .filter_regex import regex_error
 
 __all__ = [
     "LEVEL_DOWN", "LOCAL_POLICY", "BodyMatch", "ClassSpec", "DegradedRouting", "FilterSpec", "GpuSpec", "HeaderMatch",
@@ -250,64 +251,6 @@ class Rule(_Rule):
         return self.model_dump(by_alias=True, exclude_unset=True)
 
 
-# Rust regex (1.9) accepts a superset of this check's translation target on a few points and
-# refuses what Python's `re` accepts on others; this keeps to the cases where both are known.
-_RUST_ONLY = [
-    (re.compile(r"\\[pP](\{[^}]*\}|[A-Za-z])"), "x"),       # Unicode classes: \pL, \p{Greek}
-    (re.compile(r"\[\[:\^?[a-z]+:\]\]"), "[x]"),              # a bracket of one ASCII class
-    (re.compile(r"\[:\^?[a-z]+:\]"), "x"),                    # an ASCII class inside a bracket
-    (re.compile(r"\(\?<(?=[A-Za-z_])"), "(?P<"),              # (?<name>…)
-    (re.compile(r"\\z"), r"\\Z"),
-]
-# Compiled-size estimate per atom, against regex's 1 MiB size_limit (a pathological repetition
-# is a config error in the filter, not a memory hog); calibrated on the filter's parser.
-_ATOM_COST = {"literal": 1, "class": 12, "unicode_class": 400}
-_SIZE_LIMIT = 1 << 20
-
-
-def regex_error(pattern: str) -> str | None:
-    """Why the filter's `regex` crate would refuse `pattern`, or None."""
-    for feature, why in ((r"\(\?<?[=!]", "look-around, including look-ahead and look-behind, is not supported"),
-                         (r"\\[1-9]|\(\?P=", "backreferences are not supported"),
-                         (r"\(\?>", "atomic groups are not supported"),
-                         (r"[*+?}][+]", "possessive repetition is not supported")):
-        if re.search(feature, pattern):
-            return why
-    translated = pattern
-    for rx, repl in _RUST_ONLY:
-        translated = rx.sub(repl, translated)
-    try:
-        tree = sre_parse.parse(translated)
-    except (sre_constants.error, OverflowError, RecursionError) as e:
-        return str(e)
-    if _size(tree) > _SIZE_LIMIT:
-        return "Compiled regex exceeds size limit"
-    return None
-
-
-def _size(tree) -> float:
-    total = 0.0
-    for op, av in tree:
-        name = str(op).lower()
-        if name in ("max_repeat", "min_repeat"):
-            lo, hi, sub = av
-            total += _size(sub) * max(lo, hi if hi != sre_constants.MAXREPEAT else lo, 1)
-        elif name == "subpattern":
-            total += _size(av[-1])
-        elif name == "branch":
-            total += sum(_size(b) for b in av[1])
-        elif name in ("in", "category", "any"):
-            total += _ATOM_COST["unicode_class"] if _unicode(op, av) else _ATOM_COST["class"]
-        else:
-            total += _ATOM_COST["literal"]
-    return total
-
-
-def _unicode(op, av) -> bool:
-    cats = [av] if str(op).lower() == "category" else [a for o, a in (av if isinstance(av, list) else []) if str(o).lower() == "category"]
-    return any(str(c).lower().endswith(("digit", "word", "space")) for c in cats) or str(op).lower() == "any"
-
-
 # ---- classes, models, pools -------------------------------------------------------------------
 
 class ClassSpec(ClassSettings):
@@ -368,14 +311,22 @@ def _cidr_error(s: str) -> str | None:
 
 
 class FilterSpec(Strict):
-    body_max_bytes: Annotated[int, Field(gt=0, le=MAX_BODY_BYTES)] = 262144
+    body_max_bytes: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": MAX_BODY_BYTES})] = 262144
     """Bodies up to this size are buffered when a rule needs them (below Envoy's 1 MiB per-connection buffer)."""
     trusted_cidrs: list[str] = []
     """Peers whose x-infermesh-* headers are kept: an upstream infermesh hop already decided."""
-    trusted_principals: list[Annotated[str, Field(min_length=1)]] = []
+    trusted_principals: list[Annotated[str, Field(json_schema_extra={"minLength": 1})]] = []
     """mTLS peer identities (URI SANs) whose x-infermesh-* headers are kept."""
     emit_objective_header: bool = False
     """Also set x-gateway-inference-objective (Gateway API Inference Extension / llm-d)."""
+
+    # The filter's checks and wording (config.rs), so `policy check` reads like the filter's log.
+    @field_validator("body_max_bytes")
+    @classmethod
+    def _body_limit(cls, n: int) -> int:
+        if not 1 <= n <= MAX_BODY_BYTES:
+            raise FieldError("", f"must be between 1 and {MAX_BODY_BYTES} (below Envoy's 1 MiB per-connection buffer)")
+        return n
 
     @field_validator("trusted_cidrs")
     @classmethod
@@ -384,6 +335,14 @@ class FilterSpec(Strict):
             if why := _cidr_error(c):
                 raise FieldError(str(i), why)
         return cidrs
+
+    @field_validator("trusted_principals")
+    @classmethod
+    def _principals(cls, principals: list[str]) -> list[str]:
+        for i, p in enumerate(principals):
+            if not p:
+                raise FieldError(str(i), "must not be empty")
+        return principals
 
 
 class Policy(Strict):
@@ -536,6 +495,8 @@ def _line_of(node: yaml.Node | None, loc: list) -> int | None:
 def _problem(err: dict) -> tuple[list, str]:
     """(field path, message) of one pydantic error; a FieldError names a path below its object."""
     loc, msg = list(err["loc"]), err["msg"]
+    if loc and loc[-1] == "[key]":  # a map key that does not fit: name the key itself
+        loc.pop()
     e = (err.get("ctx") or {}).get("error")
     if isinstance(e, FieldError):
         loc += [int(x) if x.isdigit() else x for x in e.sub.split(".") if x]

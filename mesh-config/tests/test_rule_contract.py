@@ -1,0 +1,412 @@
+"""The policy refuses what the filter refuses: a corpus of rule sets (and of the other parts of
+the filter config), each judged by the policy model (through a policy file, as `infermesh policy
+check` reads it) and by the filter's own parser (`FilterConfig::parse`, natively, through
+filter/examples/check_config.rs, one cargo run for the whole corpus). Both must give the same
+verdict; a refusal must name the same field, and for the filter's own checks (rules, body limit,
+trusted sources) the same message.
+
+Field paths: the policy's are pydantic's (`rules.0.match.path`, `filter.body_max_bytes`), the
+filter's are `rules[0].match.path`, `body.max_bytes`; `filter_path()` below is the one place that
+maps one onto the other. For the errors serde reports (unknown or missing fields, wrong types)
+the filter's field is `$` with a position, and check_config names the field at that position
+(its `at`); their wording is serde's and pydantic's, not compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infermesh.meshconfig.policy import PolicyError, parse_policy
+
+REPO = Path(__file__).resolve().parents[2]
+FILTER = REPO / "filter"
+
+CLASSES = {"interactive": {"pool": "interactive"}, "batch": {"pool": "batch"}}
+R = {"name": "r", "class": "batch"}  # a rule to put one condition in
+
+
+def rule(**match) -> list[dict]:
+    return [R | {"match": match}]
+
+
+def body(**conds) -> list[dict]:
+    return rule(body=conds)
+
+
+def header(**h) -> list[dict]:
+    return rule(headers=[h])
+
+
+VALID = {
+    "no-rules": [],
+    "no-match": [R],
+    "empty-match": [R | {"match": {}}],
+    "methods": rule(methods=["post", "GET", "PATCH"]),
+    "methods-empty": rule(methods=[], headers=[]),
+    "path-exact": rule(path={"exact": "/v1/models"}),
+    "path-prefix": rule(path={"prefix": "/"}),
+    "path-regex": rule(path={"regex": "^/v1/(chat/)?completions$"}),
+    "path-regex-relative": rule(path={"regex": "completions"}),
+    "path-null": rule(path=None),
+    "path-null-siblings": rule(path={"exact": None, "prefix": "/v1/", "regex": None}),
+    "header-present": header(name="x-tenant"),
+    "header-present-true": header(name="x-tenant", present=True),
+    "header-absent": header(name="x-debug", present=False),
+    "header-present-null": header(name="x-debug", present=None, exact="1"),
+    "header-exact": header(name="x-priority", exact="high"),
+    "header-prefix": header(name="x-tenant", prefix="eval-"),
+    "header-regex": header(name="x-tenant", regex="^team-[0-9]+$"),
+    "header-present-and-value": header(name="x-tenant", present=True, exact="a"),
+    "header-punctuation": header(name="x-a.b_c!~"),
+    "header-grpc-metadata": rule(path={"exact": "/infermesh.v1.Inference/Generate"}, headers=[{"name": "x-tenant", "regex": "^team-"}]),
+    "body-stream": body(stream=False),
+    "body-stream-true": body(stream=True),
+    "body-stream-null": body(stream=None, n={"min": 2}),
+    "body-max-tokens-min": body(max_tokens={"min": 1024}),
+    "body-max-tokens-max": body(max_tokens={"max": 16}),
+    "body-max-tokens-equal": body(max_tokens={"min": 5, "max": 5}),
+    "body-range-u64": body(prompt_chars={"max": 2**64 - 1}),
+    "body-range-null-end": body(message_count={"min": None, "max": 3}),
+    "body-n": body(n={"min": 4}),
+    "body-model": body(model={"prefix": "eval-"}),
+    "body-model-regex": body(model={"regex": "^llama-3-(8|70)b$"}),
+    "body-message-count": body(message_count={"min": 1, "max": 20}),
+    "body-prompt-chars": body(prompt_chars={"min": 10000}),
+    "body-priority": body(priority={"exact": "1"}),
+    "body-service-tier": body(service_tier={"exact": "priority"}),
+    "body-everything": body(stream=False, max_tokens={"min": 1}, n={"max": 1}, model={"exact": "m"}, message_count={"min": 1},
+                            prompt_chars={"max": 9}, priority={"prefix": "h"}, service_tier={"regex": "^(flex|priority)$"}),
+    "body-empty": body(),
+    "several-rules": [{"name": "vip", "class": "interactive", "match": {"headers": [{"name": "x-priority", "exact": "high"}]}},
+                      {"name": "chat-bulk", "class": "batch", "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"},
+                                                                        "body": {"stream": False, "max_tokens": {"min": 1024}}}},
+                      {"name": "chat", "class": "interactive", "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}}}],
+    "name-64": [{"name": "a" * 64, "class": "batch"}],
+    "name-chars": [{"name": "Chat_bulk-2", "class": "interactive"}],
+}
+
+# One defect each: (rule set or case, the policy's field path of the refusal).
+INVALID = {
+    # a rule
+    "rule-unknown-field": ([R | {"nam": "x"}], "rules.0.nam"),
+    "rule-missing-name": ([{"class": "batch"}], "rules.0.name"),
+    "rule-missing-class": ([{"name": "r"}], "rules.0.class"),
+    "rule-name-type": ([{"name": 7, "class": "batch"}], "rules.0.name"),
+    "rule-name-empty": ([{"name": "", "class": "batch"}], "rules.0.name"),
+    "rule-name-65": ([{"name": "a" * 65, "class": "batch"}], "rules.0.name"),
+    "rule-name-space": ([{"name": "chat bulk", "class": "batch"}], "rules.0.name"),
+    "rule-name-unicode": ([{"name": "chät", "class": "batch"}], "rules.0.name"),
+    "rule-name-default": ([{"name": "default", "class": "batch"}], "rules.0.name"),
+    "rule-name-trusted": ([{"name": "trusted", "class": "batch"}], "rules.0.name"),
+    "rule-name-duplicate": ([R, {"name": "s", "class": "batch"}, R], "rules.2.name"),
+    "rule-class-unknown": ([{"name": "r", "class": "premium"}], "rules.0.class"),
+    "rule-class-type": ([{"name": "r", "class": ["batch"]}], "rules.0.class"),
+    "rules-not-a-list": ({"name": "r"}, "rules"),
+    # its match
+    "match-unknown-field": (rule(methds=["GET"]), "rules.0.match.methds"),
+    "match-null": ([R | {"match": None}], "rules.0.match"),
+    "methods-string": (rule(methods="POST"), "rules.0.match.methods"),
+    "methods-item-type": (rule(methods=["GET", 1]), "rules.0.match.methods.1"),
+    "methods-null": (rule(methods=None), "rules.0.match.methods"),
+    # path
+    "path-unknown-key": (rule(path={"suffix": "/x"}), "rules.0.match.path.suffix"),
+    "path-two": (rule(path={"exact": "/a", "prefix": "/b"}), "rules.0.match.path"),
+    "path-three": (rule(path={"exact": "/a", "prefix": "/b", "regex": "c"}), "rules.0.match.path"),
+    "path-none": (rule(path={}), "rules.0.match.path"),
+    "path-all-null": (rule(path={"exact": None}), "rules.0.match.path"),
+    "path-exact-relative": (rule(path={"exact": "v1/models"}), "rules.0.match.path"),
+    "path-prefix-relative": (rule(path={"prefix": ""}), "rules.0.match.path"),
+    "path-regex-invalid": (rule(path={"regex": "^/v1/(chat/?"}), "rules.0.match.path.regex"),
+    "path-exact-type": (rule(path={"exact": 1}), "rules.0.match.path.exact"),
+    "path-string": (rule(path="/v1"), "rules.0.match.path"),
+    # headers
+    "headers-object": (rule(headers={"name": "x"}), "rules.0.match.headers"),
+    "header-missing-name": (rule(headers=[{"exact": "x"}]), "rules.0.match.headers.0.name"),
+    "header-name-upper": (rule(headers=[{"name": "x-a"}, {"name": "X-Tenant"}]), "rules.0.match.headers.1.name"),
+    "header-name-empty": (header(name=""), "rules.0.match.headers.0.name"),
+    "header-name-space": (header(name="x tenant"), "rules.0.match.headers.0.name"),
+    "header-name-unicode": (header(name="x-tenänt"), "rules.0.match.headers.0.name"),
+    "header-name-del": (header(name="x-\x7f"), "rules.0.match.headers.0.name"),
+    "header-name-type": (header(name=1), "rules.0.match.headers.0.name"),
+    "header-two-values": (header(name="x-a", exact="a", prefix="b"), "rules.0.match.headers.0"),
+    "header-absent-with-value": (header(name="x-a", present=False, regex="."), "rules.0.match.headers.0"),
+    "header-absent-with-two": (header(name="x-a", present=False, exact="a", prefix="b"), "rules.0.match.headers.0"),
+    "header-present-type": (header(name="x-a", present="yes"), "rules.0.match.headers.0.present"),
+    "header-unknown-key": (header(name="x-a", value="b"), "rules.0.match.headers.0.value"),
+    "header-regex-invalid": (header(name="x-a", regex="(?=a)"), "rules.0.match.headers.0.regex"),
+    "header-exact-type": (header(name="x-a", exact=True), "rules.0.match.headers.0.exact"),
+    # body
+    "body-unknown-field": (body(max_tokenz={"min": 1}), "rules.0.match.body.max_tokenz"),
+    "body-yaml-false-key": (body(**{"false": {"min": 4}}), "rules.0.match.body.false"),
+    "body-list": (rule(body=[]), "rules.0.match.body"),
+    "body-stream-string": (body(stream="yes"), "rules.0.match.body.stream"),
+    "body-stream-int": (body(stream=1), "rules.0.match.body.stream"),
+    "body-stream-object": (body(stream={}), "rules.0.match.body.stream"),
+    "range-empty": (body(max_tokens={}), "rules.0.match.body.max_tokens"),
+    "range-all-null": (body(n={"min": None, "max": None}), "rules.0.match.body.n"),
+    "range-inverted": (body(max_tokens={"min": 9, "max": 3}), "rules.0.match.body.max_tokens"),
+    "range-negative": (body(max_tokens={"min": -1}), "rules.0.match.body.max_tokens.min"),
+    "range-fraction": (body(n={"max": 1.5}), "rules.0.match.body.n.max"),
+    "range-float": (body(n={"max": 2.0}), "rules.0.match.body.n.max"),
+    "range-over-u64": (body(prompt_chars={"max": 2**64}), "rules.0.match.body.prompt_chars.max"),
+    "range-string": (body(message_count={"min": "1"}), "rules.0.match.body.message_count.min"),
+    "range-bool": (body(message_count={"min": True}), "rules.0.match.body.message_count.min"),
+    "range-int": (body(max_tokens=1024), "rules.0.match.body.max_tokens"),
+    "range-unknown-key": (body(n={"minimum": 1}), "rules.0.match.body.n.minimum"),
+    "n-inverted": (body(n={"min": 4, "max": 2}), "rules.0.match.body.n"),
+    "message-count-inverted": (body(message_count={"min": 4, "max": 2}), "rules.0.match.body.message_count"),
+    "prompt-chars-empty": (body(prompt_chars={}), "rules.0.match.body.prompt_chars"),
+    "model-two": (body(model={"exact": "m", "prefix": "n"}), "rules.0.match.body.model"),
+    "model-none": (body(model={}), "rules.0.match.body.model"),
+    "model-string": (body(model="m"), "rules.0.match.body.model"),
+    "model-regex-invalid": (body(model={"regex": "a{2,1}"}), "rules.0.match.body.model.regex"),
+    "priority-regex-invalid": (body(priority={"regex": "\\1"}), "rules.0.match.body.priority.regex"),
+    "priority-two": (body(priority={"exact": "1", "regex": "2"}), "rules.0.match.body.priority"),
+    "service-tier-two": (body(service_tier={"exact": "priority", "prefix": "p"}), "rules.0.match.body.service_tier"),
+    "service-tier-type": (body(service_tier={"exact": 1}), "rules.0.match.body.service_tier.exact"),
+    "service-tier-regex-size": (body(service_tier={"regex": "\\w{1000}"}), "rules.0.match.body.service_tier.regex"),
+    # later rules are checked as the first
+    "second-rule-bad-path": ([R, {"name": "s", "class": "batch", "match": {"path": {"prefix": "v1"}}}], "rules.1.match.path"),
+    "third-rule-bad-header": ([R, {"name": "s", "class": "batch"}, {"name": "t", "class": "batch", "match": {"headers": [{"name": "A"}]}}],
+                              "rules.2.match.headers.0.name"),
+}
+
+# The filter reads these (serde fills a struct from a JSON array, field by field); the policy
+# refuses them on purpose: nobody means `path: ["/v1"]` as `path: {exact: "/v1"}`.
+STRICTER = {
+    "match-list": ([R | {"match": []}], "rules.0.match"),
+    "path-list": (rule(path=["/v1/models", None, None]), "rules.0.match.path"),
+    "range-list": (body(max_tokens=[1, 10]), "rules.0.match.body.max_tokens"),
+}
+
+# The rest of the filter config: (policy fields, the policy's field path of the refusal).
+OTHER_VALID = {
+    "trusted": {"filter": {"trusted_cidrs": ["10.0.0.0/8", "::1", "192.168.1.7", "fe80::/10", "0.0.0.0/0", "10.0.0.0/+8", "::ffff:10.1.0.0/128"],
+                           "trusted_principals": ["spiffe://cluster.local/ns/gw/sa/gw"]}},
+    "body-limit-max": {"filter": {"body_max_bytes": 983040}},
+    "body-limit-min": {"filter": {"body_max_bytes": 1}},
+    "objective": {"classes": {"interactive": {"pool": "interactive", "objective": "chat-latency"}, "batch": {"pool": "batch"}}},
+    "emit-objective": {"filter": {"emit_objective_header": True}},
+}
+OTHER_INVALID = {
+    "body-limit-zero": ({"filter": {"body_max_bytes": 0}}, "filter.body_max_bytes"),
+    "body-limit-over": ({"filter": {"body_max_bytes": 983041}}, "filter.body_max_bytes"),
+    "cidr-prefix": ({"filter": {"trusted_cidrs": ["10.0.0.0/33"]}}, "filter.trusted_cidrs.0"),
+    "cidr-v6-prefix": ({"filter": {"trusted_cidrs": ["::1", "::/129"]}}, "filter.trusted_cidrs.1"),
+    "cidr-name": ({"filter": {"trusted_cidrs": ["nope"]}}, "filter.trusted_cidrs.0"),
+    "cidr-space": ({"filter": {"trusted_cidrs": ["10.0.0.1 "]}}, "filter.trusted_cidrs.0"),
+    "cidr-prefix-space": ({"filter": {"trusted_cidrs": ["10.0.0.0/ 8"]}}, "filter.trusted_cidrs.0"),
+    "cidr-zone": ({"filter": {"trusted_cidrs": ["fe80::1%eth0"]}}, "filter.trusted_cidrs.0"),
+    "cidr-leading-zero": ({"filter": {"trusted_cidrs": ["010.0.0.1"]}}, "filter.trusted_cidrs.0"),
+    "cidr-empty-prefix": ({"filter": {"trusted_cidrs": ["10.0.0.0/"]}}, "filter.trusted_cidrs.0"),
+    "principal-empty": ({"filter": {"trusted_principals": ["spiffe://a", ""]}}, "filter.trusted_principals.1"),
+    "version": ({"version": 2}, "version"),
+    "classes-empty": ({"classes": {}}, "classes"),
+    "class-name": ({"classes": {"inter active": {"pool": "interactive"}, "batch": {"pool": "batch"}}}, "classes.inter active"),
+    "class-pool-token": ({"classes": {"interactive": {"pool": "gpu a"}, "batch": {"pool": "batch"}}}, "classes.interactive.pool"),
+    "class-objective-token": ({"classes": {"interactive": {"pool": "interactive", "objective": "chat latency"}, "batch": {"pool": "batch"}}},
+                              "classes.interactive.objective"),
+    "class-unknown-field": ({"classes": {"interactive": {"pool": "interactive", "pol": "x"}, "batch": {"pool": "batch"}}}, "classes.interactive.pol"),
+    "default-class": ({"default_class": "nope"}, "default_class"),
+}
+
+# Regex syntax (filter_regex.py against the `regex` crate): (pattern, accepted?).
+REGEXES = [
+    ("", True), ("^/v1/(chat/)?completions$", True), ("(?i)^/V1/", True), ("[0-9a-f]{8}-[0-9a-f]{4}", True),
+    ("\\d+\\.\\d+", True), ("^(?P<ver>v[0-9]+)/", True), ("(?<ver>v1)", True), ("a++", True), ("a**", True), ("x{2}{3}", True),
+    ("^*", True), ("\\b*", True), ("(?x) a b # comment", True), ("(?U)a*", True), ("(?s-m:a)", True), ("(?R)a", True),
+    ("[[:alpha:]]", True), ("[[:^alpha:]]", True), ("[[:foo:]]", True), ("[]a]", True), ("[a-]", True), ("[a&&b]", True),
+    ("[a--b]", True), ("[a~~b]", True), ("[a[b]]", True), ("\\x{41}\\u0041\\U0001F600\\x41", True), ("\\<", False),
+    ("(?-u)\\w", True), ("(?-u)\\x7F", True), ("a{ 1 }", True), ("(?:)", True), ("|", True), ("()", True), ("\\.", True),
+    ("a{1000}", True), (".{500}", True), ("\\w{10}", True), ("\\d{100}", True), ("[a-z]{10000}", True),
+    ("(", False), ("a)", False), ("[a", False), ("[]", False), ("*a", False), ("{5}", False), ("a{", False), ("a{,5}", False),
+    ("a{2,1}", False), ("a{1,2,3}", False), ("x{a}", False), ("a{4294967296}", False), ("(?=a)", False), ("(?<!a)b", False),
+    ("\\1", False), ("\\0", False), ("(?>a)", False), ("(?#c)a", False), ("(?z)a", False), ("(?ii)a", False), ("(?i-)a", False),
+    ("(?)", False), ("(?P<a>x)(?<a>y)", False), ("(?P<1a>x)", False), ("(?P<>x)", False), ("(?P<n", False), ("\\pL", False),
+    ("\\p{Greek}", False), ("[\\pL]", False), ("\\Q", False), ("\\K", False), ("\\h", False), ("\\e", False), ("\\cA", False),
+    ("\\N{x}", False), ("[z-a]", False), ("[a-\\d]", False), ("[\\b]", False), ("\\x{110000}", False), ("\\x{D800}", False),
+    ("\\x{}", False), ("\\x4", False), ("a\\", False), ("(?-u).", False), ("(?-u)\\W", False), ("(?-u)[^a]", False),
+    ("(?-u)\\xFF", False), ("(?-u)é", False), ("(?-u)[[:^alpha:]]", False),
+    ("a{100000}", False), ("(a{1000}){1000}", False), ("\\w{100}", False), ("\\d{1000}", False), (".{10000}", False),
+    ("\\W{100}", False), ("\\D{1000}", False), ("(?i)\\w{100}", False),
+    ("(" * 250 + "a" + ")" * 250, True), ("(" * 251 + "a" + ")" * 251, False), ("[" * 250 + "a" + "]" * 250, True),
+    ("[" * 251 + "a" + "]" * 251, False), ("a" + "*" * 250, True), ("a" + "*" * 251, False),
+]
+
+
+def corpus() -> list[tuple[str, dict, bool, str | None]]:
+    """(id, case, the filter should accept it, the policy's field of the refusal)."""
+    out = [(f"valid-{k}", {"rules": v}, True, None) for k, v in VALID.items()]
+    out += [(k, {"rules": v}, False, f) for k, (v, f) in INVALID.items()]
+    out += [(f"valid-{k}", v, True, None) for k, v in OTHER_VALID.items()]
+    out += [(k, v, False, f) for k, (v, f) in OTHER_INVALID.items()]
+    out += [(f"regex-{i}", {"rules": rule(path={"regex": p})}, ok, None if ok else "rules.0.match.path.regex")
+            for i, (p, ok) in enumerate(REGEXES)]
+    out += [(f"stricter-{k}", {"rules": v}, True, f) for k, (v, f) in STRICTER.items()]
+    return out
+
+
+def policy_text(case: dict) -> str:
+    doc = {
+        "version": case.get("version", 1),
+        "default_class": case.get("default_class", "batch"),
+        "classes": case.get("classes", CLASSES),
+        "rules": case.get("rules", []),
+        "pools": {"interactive": {"models": [{"name": "m"}]}, "batch": {"models": [{"name": "m"}]}},
+    }
+    if "filter" in case:
+        doc["filter"] = case["filter"]
+    return yaml.safe_dump(doc, allow_unicode=True, sort_keys=False)
+
+
+def filter_json(case: dict) -> str:
+    """The filter config the case stands for, written the way Policy.filter_config() writes it."""
+    f = case.get("filter", {})
+    cfg = {
+        "version": case.get("version", 1),
+        "default_class": case.get("default_class", "batch"),
+        "classes": case.get("classes", CLASSES),
+        "rules": case.get("rules", []),
+        "body": {"max_bytes": f.get("body_max_bytes", 262144)},
+        "emit_objective_header": f.get("emit_objective_header", False),
+    }
+    if f.get("trusted_cidrs") or f.get("trusted_principals"):
+        cfg["trusted_sources"] = {"cidrs": f.get("trusted_cidrs", []), "principals": f.get("trusted_principals", [])}
+    return json.dumps(cfg)
+
+
+_SECTION = {"filter.body_max_bytes": "body.max_bytes", "filter.trusted_cidrs": "trusted_sources.cidrs",
+            "filter.trusted_principals": "trusted_sources.principals"}
+
+
+def filter_path(policy_field: str) -> str:
+    """The filter's name for a policy field path: `rules.0.match.headers.1` -> `rules[0].match.headers[1]`,
+    the policy's `filter` section -> the filter config's `body` and `trusted_sources`."""
+    for ours, theirs in _SECTION.items():
+        if policy_field == ours or policy_field.startswith(ours + "."):
+            policy_field = theirs + policy_field[len(ours):]
+    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", policy_field)
+
+
+def policy_verdict(case: dict) -> tuple[bool, str | None, str | None]:
+    try:
+        parse_policy(policy_text(case), "contract.yaml")
+    except PolicyError as e:
+        line, field, msg = e.problems[0]
+        assert line is not None, e
+        return False, field, msg
+    return True, None, None
+
+
+def _cargo() -> str | None:
+    # rustup's cargo (the native toolchain); /usr/bin/cargo is Debian's, kept for the wasm32 build.
+    home = Path(os.environ.get("CARGO_HOME", Path.home() / ".cargo")) / "bin" / "cargo"
+    return str(home) if home.exists() else shutil.which("cargo")
+
+
+@pytest.fixture(scope="module")
+def filter_verdicts() -> dict[str, dict]:
+    cargo = _cargo()
+    if cargo is None:
+        pytest.skip("no cargo: the filter's parser cannot be built here")
+    cases = corpus()
+    r = subprocess.run([cargo, "run", "--release", "--quiet", "--example", "check_config"], cwd=FILTER,
+                       input="".join(filter_json(c) + "\n" for _, c, _, _ in cases), capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(cases), r.stderr[-3000:]
+    return {cid: json.loads(line) for (cid, _, _, _), line in zip(cases, lines)}
+
+
+def _same_message(policy_msg: str, filter_msg: str) -> bool:
+    if filter_msg.startswith("invalid regex:"):
+        return policy_msg.startswith("invalid regex:")
+    return policy_msg == filter_msg
+
+
+@pytest.mark.parametrize("cid, case, accepted, field", corpus(), ids=[c[0] for c in corpus()])
+def test_policy_and_filter_agree(filter_verdicts, cid, case, accepted, field):
+    ours = policy_verdict(case)
+    theirs = filter_verdicts[cid]
+    assert theirs["ok"] is accepted, f"the corpus expects the filter to {'accept' if accepted else 'refuse'} it: {theirs}"
+    if cid.startswith("stricter-"):
+        assert ours[:2] == (False, field), ours
+        return
+    assert ours[0] is accepted, f"policy: {ours}"
+    if accepted:
+        return
+    assert ours[1] == field, f"policy names {ours[1]!r}: {ours[2]}"
+    assert filter_path(ours[1]) == theirs["at"], f"filter: {theirs}"
+    if theirs["field"] != "$" and not cid.startswith(("version", "class", "default-class")):
+        assert _same_message(ours[2], theirs["message"]), f"policy: {ours[2]!r}, filter: {theirs['message']!r}"
+
+
+# Each check of config.rs (FilterConfig::parse, string_match, check_range, check_token, Cidr::parse)
+# and the corpus cases that exercise it.
+BRANCHES = {
+    "serde: unknown field": ["rule-unknown-field", "match-unknown-field", "path-unknown-key", "header-unknown-key", "body-unknown-field",
+                             "range-unknown-key", "class-unknown-field"],
+    "serde: missing field": ["rule-missing-name", "rule-missing-class", "header-missing-name"],
+    "serde: wrong type": ["rule-name-type", "rule-class-type", "rules-not-a-list", "match-null", "methods-string", "methods-item-type",
+                          "methods-null", "path-exact-type", "path-string", "headers-object", "header-name-type", "header-present-type",
+                          "header-exact-type", "body-list", "body-stream-string", "body-stream-int", "body-stream-object", "range-negative",
+                          "range-fraction", "range-float", "range-over-u64", "range-string", "range-bool", "range-int", "model-string",
+                          "service-tier-type"],
+    "version": ["version"],
+    "classes empty": ["classes-empty"],
+    "check_token classes.NAME / .pool / .objective": ["class-name", "class-pool-token", "class-objective-token"],
+    "default_class unknown": ["default-class"],
+    "check_token rules[i].name": ["rule-name-empty", "rule-name-65", "rule-name-space", "rule-name-unicode"],
+    "reserved rule name": ["rule-name-default", "rule-name-trusted"],
+    "duplicate rule name": ["rule-name-duplicate"],
+    "rules[i].class unknown": ["rule-class-unknown"],
+    "string_match: not exactly one": ["path-two", "path-three", "path-none", "path-all-null", "model-two", "model-none", "priority-two",
+                                      "service-tier-two", "header-two-values"],
+    "string_match: invalid regex": ["path-regex-invalid", "header-regex-invalid", "model-regex-invalid", "priority-regex-invalid",
+                                    "service-tier-regex-size"],
+    "path must start with /": ["path-exact-relative", "path-prefix-relative"],
+    "header name": ["header-name-upper", "header-name-empty", "header-name-space", "header-name-unicode", "header-name-del"],
+    "present: false with a value": ["header-absent-with-value", "header-absent-with-two"],
+    "check_range: empty": ["range-empty", "range-all-null", "prompt-chars-empty"],
+    "check_range: min above max": ["range-inverted", "n-inverted", "message-count-inverted"],
+    "body.max_bytes": ["body-limit-zero", "body-limit-over"],
+    "trusted_sources.cidrs": ["cidr-prefix", "cidr-v6-prefix", "cidr-name", "cidr-space", "cidr-prefix-space", "cidr-zone",
+                              "cidr-leading-zero", "cidr-empty-prefix"],
+    "trusted_sources.principals": ["principal-empty"],
+}
+
+
+def test_corpus_covers_every_check_of_the_filters_parser():
+    ids = {c[0] for c in corpus()}
+    assert not {i for cases in BRANCHES.values() for i in cases} - ids
+    src = (FILTER / "src" / "config.rs").read_text()
+    parse = src[src.index("fn string_match("):src.index("#[cfg(test)]")]
+    assert parse.count("Err(err(") + parse.count("err(format!(\"{at}") + parse.count("ok_or_else(|| err(") >= 15, \
+        "config.rs has new checks: give each a case and a line in BRANCHES"
+    # Every optional field of the raw shapes is set somewhere in the corpus (the typed rules know them all).
+    raw = src[src.index("struct RawRule"):src.index("struct RawBody {")]
+    fields = set(re.findall(r"^\s+(\w+): ", raw, re.M)) - {"matcher"} | {"match"}
+    seen = json.dumps([c for _, c, _, _ in corpus()])
+    assert not sorted(f for f in fields if f'"{f}"' not in seen)
+
+
+def test_the_policy_words_the_filters_checks_as_the_filter():
+    """The messages of config.rs's checks appear in the policy model (placeholders aside)."""
+    src = (FILTER / "src" / "config.rs").read_text()
+    src = src[:src.index("#[cfg(test)]")]
+    ours = (REPO / "mesh-config" / "meshconfig" / "policy.py").read_text()
+    norm = lambda s: re.sub(r"\{[^}]*\}", "{}", s)
+    messages = set(re.findall(r'err\([^;]*?,\s*(?:format!\()?"([^"]+)"', src, re.S))
+    # The policy words these two as the rest of its own checks (pydantic's bounds of version, classes).
+    own = {"unsupported version {} (this filter understands {})", "at least one class is required"}
+    assert len(messages) >= 14, messages
+    missing = sorted(m for m in messages if norm(m) not in norm(ours) and m not in own)
+    assert not missing, missing
