@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .envoy_bootstrap import MeshListener, PoolEndpoint
+from .envoy_resources import MeshListener, PoolEndpoint, Routing
 from .policy import LOCAL_POLICY, Policy, load_policy
 
 @dataclass
@@ -76,4 +76,5 @@ class LocalMeshPlan:
             pools=[PoolEndpoint(p.name, self.host, p.http_port, p.grpc_port) for p in self.pools],
             default_pool=self.policy.default_pool,
             failover=self.policy.failover(),
+            routing=Routing.from_policy(self.policy),
         )

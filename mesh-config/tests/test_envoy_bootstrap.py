@@ -8,7 +8,8 @@ import subprocess
 from pathlib import Path
 
 from infermesh import paths
-from infermesh.meshconfig.envoy_bootstrap import GRPC_CONTENT_TYPE, POOL_HEADER, bootstrap, cluster_name
+from infermesh.meshconfig.envoy_bootstrap import bootstrap
+from infermesh.meshconfig.envoy_resources import GRPC_CONTENT_TYPE, POOL_HEADER, Routing, cluster_name
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 
 
@@ -96,8 +97,8 @@ def test_native_rules_decide_in_the_route_table_and_send_only_body_rules_to_the_
 
 def test_trusted_sources_keep_the_filter_on_every_request():
     plan = LocalMeshPlan()
-    m = plan.listener(Path("/x.wasm"))
-    m.filter_config = dict(m.filter_config, trusted_sources={"cidrs": ["10.0.0.0/8"], "principals": []})
+    fc = dict(plan.filter_config(), trusted_sources={"cidrs": ["10.0.0.0/8"], "principals": []})
+    m = dataclasses.replace(plan.listener(Path("/x.wasm")), filter_config=fc, routing=Routing.from_filter_config(fc))
     hcm = _hcm(bootstrap(m))
     assert "early_header_mutation_extensions" not in hcm, "a trusted peer's headers must reach the filter"
     assert all("typed_per_filter_config" not in r for r in hcm["route_config"]["virtual_hosts"][0]["routes"])

