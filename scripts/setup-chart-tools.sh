@@ -9,7 +9,8 @@
 #     (the `promtool check rules` parser, github.com/prometheus/prometheus/model/rulefmt).
 #
 # Idempotent: everything lands in $INFERMESH_HOME (default ~/.cache/infermesh) under names that
-# carry the versions, so a second run only checks that the files are there.
+# carry the versions (Helm's: its version and a digest of its build flags, so a binary built
+# with other flags is replaced), so a second run only checks that the files are there.
 #
 #   scripts/setup-chart-tools.sh     install what is missing; prints HELM=, SCHEMAS=, RULECHECK= last
 set -euo pipefail
@@ -21,7 +22,6 @@ ISTIO_API_VERSION=v1.32.0
 PROM_OPERATOR_VERSION=v0.85.0
 
 HOME_DIR="${INFERMESH_HOME:-$HOME/.cache/infermesh}"
-HELM="$HOME_DIR/bin/helm-$HELM_VERSION"
 RULECHECK_SRC="$(cd "$(dirname "$0")/../charts/tests/rulecheck" && pwd)"
 RULECHECK="$HOME_DIR/bin/rulecheck-$(cat "$RULECHECK_SRC"/go.mod "$RULECHECK_SRC"/go.sum "$RULECHECK_SRC"/main.go | sha256sum | cut -c1-12)"
 SCHEMAS="$HOME_DIR/chart-schemas/k8s-$K8S_VERSION-istio-$ISTIO_API_VERSION-prom-$PROM_OPERATOR_VERSION"
@@ -38,16 +38,34 @@ module_dir() {
   printf '%s\n' "$json" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p'
 }
 
+# Helm's own release flags (its Makefile): version, commit and tree state, and the Kubernetes
+# version it assumes without --kube-version (the major.minor of its k8s.io/client-go, plus one
+# on the major). Without the last two `helm template` assumes v1.20 and fails kubeVersion >= 1.30.
+helm_json="$(go mod download -json "helm.sh/helm/v3@$HELM_VERSION")" || { say "cannot download Helm $HELM_VERSION: $helm_json"; exit 1; }
+helm_dir="$(printf '%s\n' "$helm_json" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')"
+helm_commit="$(printf '%s\n' "$helm_json" | sed -n 's/^[[:space:]]*"Hash": "\([0-9a-f]*\)",\{0,1\}$/\1/p')"
+client_go="$(sed -n 's/^[[:space:]]*k8s.io\/client-go v\([0-9]*\)\.\([0-9]*\)\..*/\1 \2/p' "$helm_dir/go.mod")"
+[ -n "$helm_commit" ] && [ -n "$client_go" ] || { say "cannot read Helm's commit or client-go version from the module"; exit 1; }
+read -r cg_major cg_minor <<<"$client_go"
+k8s_major=$((cg_major + 1)) k8s_minor=$cg_minor
+HELM_LDFLAGS="-w -s -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+HELM_LDFLAGS+=" -X helm.sh/helm/v3/internal/version.gitCommit=$helm_commit -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+for pkg in pkg/lint/rules pkg/chartutil; do
+  HELM_LDFLAGS+=" -X helm.sh/helm/v3/$pkg.k8sVersionMajor=$k8s_major -X helm.sh/helm/v3/$pkg.k8sVersionMinor=$k8s_minor"
+done
+HELM="$HOME_DIR/bin/helm-$HELM_VERSION-$(printf '%s' "$HELM_LDFLAGS" | sha256sum | cut -c1-12)"
+
 if [ ! -x "$HELM" ]; then
   t0=$SECONDS
-  say "building Helm $HELM_VERSION from the Go module proxy (a few minutes on 2 cores)"
+  say "building Helm $HELM_VERSION (Kubernetes v$k8s_major.$k8s_minor by default) from the Go module proxy (a few minutes on 2 cores)"
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' EXIT
-  # Helm reports the version set here (otherwise `helm version` says "+unreleased").
-  GOBIN="$tmp" go install -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
-    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  # -trimpath as Helm's Makefile builds it.
+  GOBIN="$tmp" go install -trimpath -ldflags "$HELM_LDFLAGS" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
   mkdir -p "$HOME_DIR/bin"
   mv "$tmp/helm" "$HELM"
+  # Older builds of any Helm version (other flags, other versions) are never used again.
+  find "$HOME_DIR/bin" -maxdepth 1 -name 'helm-v*' ! -path "$HELM" -delete
   say "Helm ready in $((SECONDS - t0))s"
 fi
 
