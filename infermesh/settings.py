@@ -21,7 +21,8 @@ NAME = r"^[A-Za-z0-9_-]{1,64}$"
 class Strict(BaseModel):
     """Unknown keys are errors (a typo fails with its name) and values are immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Field docstrings become descriptions in the JSON schema (the chart's values.schema.json).
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 # ---- levels and breaker actions ----------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The Helm chart's values.schema.json (charts/infermesh), generated.
 
-Its `policy` part comes from the policy model itself (`Policy.model_json_schema()`), so the chart
-accepts what `infermesh policy check` accepts, with three things a pydantic schema cannot say:
-rules are spelled out as the filter reads them (docs/filter.md), pool names must be DNS labels
+Its `policy` part comes from the policy model itself (`Policy.model_json_schema()`): classes,
+typed rules (with the filter's own limits, mesh-config/meshconfig/policy.py), pools, models,
+serving limits and breakers, so the chart accepts what `infermesh policy check` accepts, short
+of the checks a schema cannot express (cross references, regex syntax: the chart's
+_validate.tpl and the filter itself). Two things are added here: pool names must be DNS labels
 (they become Service names), and every map of names rejects names that do not fit. The rest
 describes the chart's own settings. Every object rejects unknown keys (`additionalProperties:
 false`), so a typo in values fails `helm install` instead of being ignored.
@@ -46,42 +48,6 @@ def string_or_number_map() -> dict:
 # Free-form Kubernetes objects the chart passes through unchanged (the API server validates them).
 K8S_PASSTHROUGH = {"type": "object"}
 
-_STRING_MATCH = {
-    "type": "object", "additionalProperties": False, "minProperties": 1, "maxProperties": 1,
-    "properties": {"exact": {"type": "string"}, "prefix": {"type": "string"}, "regex": {"type": "string"}},
-}
-_RANGE = {
-    "type": "object", "additionalProperties": False, "minProperties": 1,
-    "properties": {"min": {"type": "integer", "minimum": 0}, "max": {"type": "integer", "minimum": 0}},
-}
-_HEADER_MATCH = {
-    "type": "object", "additionalProperties": False, "required": ["name"], "maxProperties": 2,
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z0-9!#$%&'*+.^_`|~-]+$", "description": "lower case"},
-        "exact": {"type": "string"}, "prefix": {"type": "string"}, "regex": {"type": "string"},
-        "present": {"type": "boolean", "description": "false: the header must be absent"},
-    },
-}
-RULE_SCHEMA = obj(
-    {
-        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$", "not": {"enum": ["default", "trusted"]}},
-        "class": {"type": "string"},
-        "match": obj({
-            "methods": {"type": "array", "items": {"type": "string", "minLength": 1}},
-            "path": _STRING_MATCH,
-            "headers": {"type": "array", "items": _HEADER_MATCH},
-            "body": obj({
-                "stream": {"type": "boolean"},
-                "max_tokens": _RANGE, "n": _RANGE, "message_count": _RANGE, "prompt_chars": _RANGE,
-                "model": _STRING_MATCH, "priority": _STRING_MATCH, "service_tier": _STRING_MATCH,
-            }),
-        }),
-    },
-    required=("name", "class"),
-    description="A filter rule (docs/filter.md): the first whose conditions all hold decides the class.",
-)
-
-
 def _tidy(node: Any) -> Any:
     """Drop pydantic's generated titles; close maps of names to names that fit their pattern."""
     if isinstance(node, dict):
@@ -98,7 +64,6 @@ def policy_schema() -> tuple[dict, dict]:
     """(the schema of `policy`, the definitions it refers to as #/$defs/NAME)."""
     s = _tidy(Policy.model_json_schema())
     defs = s.pop("$defs")
-    s["properties"]["rules"] = {"type": "array", "items": RULE_SCHEMA, "default": []}
     pools = s["properties"]["pools"]
     (pattern, pool_ref), = pools["patternProperties"].items()
     pools["patternProperties"] = {DNS_LABEL: pool_ref}
@@ -119,6 +84,9 @@ def chart_schema(policy: dict) -> dict:
             # if/then rather than anyOf: an error in a given policy is reported as itself.
             "policy": {"type": "object", "description": "empty: the chart's files/default-policy.yaml",
                        "if": {"minProperties": 1}, "then": policy},
+            # Checked by the templates against the policy's digest (its shape is istio.chart_parts').
+            "generated": {"type": "object", "description": "written with the policy by `infermesh policy render POLICY helm-values`, never by hand; "
+                                                           "empty with an empty policy: the chart's files/default-generated.json"},
             "image": obj({
                 "repository": {"type": "string", "minLength": 1},
                 "tag": {"type": "string", "description": "default: the chart's appVersion"},

@@ -93,13 +93,21 @@ def _token_error(value: str) -> str | None:
 
 class _Rule(Strict):
     # Field order is the wire order: `wire()` dumps the fields that were set, in this order.
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, use_attribute_docstrings=True)
+
+
+_VALUE_KEYS = ("exact", "prefix", "regex")
+
+
+def _one_string(keys) -> list[dict]:
+    """JSON schema: one subschema per key, matched when that key holds a string (null is unset)."""
+    return [{"required": [k], "properties": {k: {"type": "string"}}} for k in keys]
 
 
 class StringMatch(_Rule):
     """Exactly one of `exact`, `prefix`, `regex` (Rust `regex` syntax, compiled size ≤ 1 MiB)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra={"minProperties": 1, "maxProperties": 1})
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, json_schema_extra={"oneOf": _one_string(_VALUE_KEYS)})
 
     exact: StrictStr | None = None
     prefix: StrictStr | None = None
@@ -129,7 +137,8 @@ def _check_string_match(exact: str | None, prefix: str | None, regex: str | None
 class Range(_Rule):
     """An inclusive numeric range; either end may be open, not both."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra={"minProperties": 1})
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
+                              json_schema_extra={"anyOf": [{"required": [k], "properties": {k: {"type": "integer"}}} for k in ("min", "max")]})
 
     min: Annotated[StrictInt, Field(ge=0, le=U64_MAX)] | None = None
     max: Annotated[StrictInt, Field(ge=0, le=U64_MAX)] | None = None
@@ -143,22 +152,21 @@ class Range(_Rule):
         return self
 
 
-_VALUE_KEYS = ("exact", "prefix", "regex")
 _HEADER_SCHEMA = {
-    "maxProperties": 3,
     # At most one value match; `present: false` (must be absent) takes none.
-    "not": {"anyOf": [{"required": list(pair)} for pair in (("exact", "prefix"), ("exact", "regex"), ("prefix", "regex"))]},
+    "not": {"anyOf": [{"required": list(pair), "properties": {k: {"type": "string"} for k in pair}}
+                      for pair in (("exact", "prefix"), ("exact", "regex"), ("prefix", "regex"))]},
     "if": {"required": ["present"], "properties": {"present": {"const": False}}},
-    "then": {"not": {"anyOf": [{"required": [k]} for k in _VALUE_KEYS]}},
+    "then": {"not": {"anyOf": _one_string(_VALUE_KEYS)}},
 }
 
 
 class HeaderMatch(_Rule):
     """A header (gRPC metadata too) by lower-case name: a value match, present, or `present: false`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_HEADER_SCHEMA)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, json_schema_extra=_HEADER_SCHEMA)
 
-    name: Annotated[StrictStr, Field(json_schema_extra={"pattern": "^[!-@[-~]+$", "description": "lower case"})]
+    name: Annotated[StrictStr, Field(json_schema_extra={"pattern": "^[!-@\\[-~]+$", "description": "lower case"})]
     exact: StrictStr | None = None
     prefix: StrictStr | None = None
     regex: StrictStr | None = None
