@@ -154,8 +154,10 @@ def _cmd_policy_render(args: argparse.Namespace) -> int:
     elif args.what == "helm-values":
         import yaml
 
+        from infermesh.meshconfig.istio import helm_values
+
         # JSON, which Helm reads as YAML without YAML 1.1's surprises (there a bare `n` key is false).
-        out = {"policy": yaml.safe_load(Path(args.file).read_text())}
+        out = helm_values(p, yaml.safe_load(Path(args.file).read_text()))
     else:
         out = bootstrap(LocalMeshPlan(policy=p).listener(Path(paths.filter_wasm())))
     print(json.dumps(out, indent=2))

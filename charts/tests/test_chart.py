@@ -1,7 +1,9 @@
 """The Helm chart: it lints, renders objects that the real Kubernetes / Istio / Prometheus
 Operator schemas accept (strictly), matches its golden files, and renders for a policy exactly
-what mesh-config's Istio generator produces for it (which tests in mesh-config/tests hold to the
-plain-Envoy routes). Typos in values and broken objects are rejected by name.
+what mesh-config's Istio generator produces for it (both assemble the policy model's parts,
+istio.chart_parts, which the chart reads from the `generated` values the CLI writes). Its routes
+decide every request of a matrix as the plain-Envoy routes do. Typos in values and broken objects
+are rejected by name.
 
 Golden files: charts/tests/golden/SCENARIO.yaml. After an intended change, regenerate them with
     INFERMESH_UPDATE_GOLDEN=1 ~/.cache/infermesh/venv/bin/python -m pytest charts/tests -k golden
@@ -15,26 +17,52 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
 from helm_render import CHART, HERE, NAMESPACE, RELEASE, REPO
 from kube_schema import SchemaError
+from route_tables import Outcome, Request, envoy_outcome, istio_outcome
 
 from infermesh.meshconfig import chart_values, istio
+from infermesh.meshconfig.envoy_bootstrap import bootstrap
+from infermesh.meshconfig.envoy_resources import STRIP_CLIENT_HEADERS, WASM_FILTER
+from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.policy import LOCAL_POLICY, Policy, load_policy, parse_policy
 from infermesh.sidecar.grpc_api import INFERENCE_SERVICE
 from infermesh.sidecar.metrics import SidecarMetrics
 from infermesh.sidecar.server import build_parser, config_from_args
 
 PRODUCTION_VALUES = CHART / "examples" / "production-values.yaml"
+PRODUCTION_POLICY = REPO / "mesh-config" / "policies" / "production.yaml"
 PIN = HERE / "values" / "filter-pin.yaml"
-SCENARIOS = {
-    "default": [PIN],
-    "production": [PRODUCTION_VALUES],
-    "header-only": [PIN, HERE / "values" / "header-only.yaml"],
+VALUES = HERE / "values"
+# Per scenario: the policy (None: the chart's bundled one) and the values files after it.
+SCENARIO_INPUTS: dict[str, tuple[Path | None, list[Path]]] = {
+    "default": (None, [PIN]),
+    "production": (PRODUCTION_POLICY, [PRODUCTION_VALUES]),
+    "header-only": (VALUES / "header-only-policy.yaml", [PIN, VALUES / "header-only.yaml"]),
+    "native-header-only": (VALUES / "native-header-only-policy.yaml", [PIN]),
 }
+GENERATED = Path(tempfile.mkdtemp(prefix="infermesh-chart-values-"))
+
+
+def policy_values(policy_file: Path) -> Path:
+    """The values file `infermesh policy render POLICY helm-values` writes for a policy."""
+    out = GENERATED / f"{policy_file.stem}.json"
+    if not out.exists():
+        out.write_text(json.dumps(istio.helm_values(load_policy(policy_file), yaml.safe_load(policy_file.read_text())), indent=2))
+    return out
+
+
+def scenario_files(name: str) -> list[Path]:
+    policy, files = SCENARIO_INPUTS[name]
+    return ([policy_values(policy)] if policy else []) + files
+
+
+SCENARIOS = {name: scenario_files(name) for name in SCENARIO_INPUTS}
 # Labels only the chart sets (Helm bookkeeping); everything else must equal istio.py's objects.
 CHART_ONLY_LABELS = {"app.kubernetes.io/version", "app.kubernetes.io/managed-by", "helm.sh/chart"}
 
@@ -106,15 +134,12 @@ def _comparable(obj: dict) -> dict:
     obj = copy.deepcopy(obj)
     for k in CHART_ONLY_LABELS:
         obj["metadata"]["labels"].pop(k, None)
-    if obj["kind"] == "EnvoyFilter":
-        # Go's JSON encoder escapes <, > and & in the filter config; compare it parsed.
-        cfg = obj["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]["config"]["configuration"]
-        cfg["value"] = json.loads(cfg["value"])
     return obj
 
 
 def test_the_chart_renders_what_the_istio_generator_produces(scenario):
-    """Routes, pools and the filter: the chart and istio.py agree object for object."""
+    """Routes, pools and the filter: the chart and istio.py agree object for object (the filter's
+    JSON config byte for byte: both carry the model's string)."""
     _, _, values, rendered = scenario
     policy = scenario_policy(values)
     expected = [_comparable(o) for o in istio.resources(policy, istio_options(values))]
@@ -187,6 +212,9 @@ def test_filter_form_follows_the_rules(helm):
     # The local policy has a body rule (chat-bulk): the EnvoyFilter form, in the gateway.
     ef = helm.template(SCENARIOS["default"]).one("EnvoyFilter")
     assert ef["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]["config"]["allow_on_headers_stop_iteration"] is True
+    # Header-only rules decided natively: an EnvoyFilter too (it names the filter the routes turn off).
+    assert helm.template(SCENARIOS["native-header-only"]).of("EnvoyFilter")
+    # Header-only rules with a trusted source: the filter decides every request, as a WasmPlugin.
     header_only = helm.template(SCENARIOS["header-only"])
     assert not header_only.of("EnvoyFilter")
     wp = header_only.one("WasmPlugin")
@@ -249,10 +277,16 @@ def test_values_schema_is_generated_from_the_policy_model():
         "regenerate: python -m infermesh.meshconfig.chart_values > charts/infermesh/values.schema.json"
 
 
-def test_bundled_and_example_policies_are_the_repositorys():
+def test_bundled_policy_and_its_generated_values_are_the_repositorys():
+    """files/default-policy.yaml is mesh-config/policies/local.yaml, files/default-generated.json
+    what the CLI generates for it. The production example holds no policy: the CLI writes it."""
     assert (CHART / "files" / "default-policy.yaml").read_text() == LOCAL_POLICY.read_text(), "copy mesh-config/policies/local.yaml"
-    example = yaml.safe_load(PRODUCTION_VALUES.read_text())["policy"]
-    assert Policy.model_validate(example) == load_policy(REPO / "mesh-config" / "policies" / "production.yaml")
+    bundled = CHART / "files" / "default-generated.json"
+    generated = json.dumps(istio.helm_values(load_policy(LOCAL_POLICY), yaml.safe_load(LOCAL_POLICY.read_text()))["generated"], indent=2) + "\n"
+    if os.environ.get("INFERMESH_UPDATE_GOLDEN"):
+        bundled.write_text(generated)
+    assert bundled.read_text() == generated, f"{bundled.name} is stale: regenerate with INFERMESH_UPDATE_GOLDEN=1 (see this file's docstring)"
+    assert "policy" not in yaml.safe_load(PRODUCTION_VALUES.read_text())
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -264,7 +298,7 @@ def test_bundled_and_example_policies_are_the_repositorys():
     ("trafficPolicy.outlierDetection.consecutive5xx=3", "'consecutive5xx' not allowed"),
 ])
 def test_values_typos_are_rejected_by_the_schema(helm, setting, message):
-    assert message in helm.template_error([PRODUCTION_VALUES], [setting])
+    assert message in helm.template_error(SCENARIOS["production"], [setting])
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -275,22 +309,42 @@ def test_values_typos_are_rejected_by_the_schema(helm, setting, message):
     ('policy.rules[4].match.body={"false": {"min": 4}}', "at '/policy/rules/4/match/body': additional properties 'false' not allowed"),
 ])
 def test_rule_typos_are_rejected_as_the_filter_would(helm, setting, message):
-    assert message in helm.template_error([PRODUCTION_VALUES], set_json=[setting])
+    assert message in helm.template_error(SCENARIOS["production"], set_json=[setting])
 
 
 @pytest.mark.parametrize("values, setting, message", [
-    ([PRODUCTION_VALUES], 'policy.classes.batch.pool="a10"', 'policy.classes.batch.pool: "a10" is not one of the pools [h100 l4]'),
-    ([PRODUCTION_VALUES], 'policy.default_class="nope"', 'policy.default_class: "nope" is not one of the classes [batch eval interactive premium]'),
-    ([PRODUCTION_VALUES], 'policy.rules[0].class="vip"', 'policy.rules.0.class: "vip" is not one of the classes'),
-    ([PRODUCTION_VALUES], 'pools.a10={"nodeSelector": {"x": "y"}}', "pools.a10: not a pool of the policy [h100 l4]"),
-    ([PRODUCTION_VALUES], "policy.pools.h100.breakers.cpu.recover_below=0.99",
-     "policy.pools.h100.breakers.cpu.recover_below: 0.99 must not be above trip_above (0.95)"),
-    ([PRODUCTION_VALUES], 'policy.pools.h100.when_degraded={"spill_to": "h100"}', 'policy.pools.h100.when_degraded.spill_to: "h100" must be another of the pools'),
+    # Edited after its generated values were written: the chart's parts would be another policy's.
+    (SCENARIOS["production"], 'policy.classes.batch.pool="h100"', "generated.policySha256: written for another policy"),
+    ([PIN], "policy=" + json.dumps(yaml.safe_load((VALUES / "header-only-policy.yaml").read_text())), "generated: missing: "),
+    (SCENARIOS["production"], 'pools.a10={"nodeSelector": {"x": "y"}}', "pools.a10: not a pool of the policy [h100 l4]"),
     ([], None, "filter.url: required"),
     ([], 'filter.url="oci://r.example/f:1"', "filter.sha256: required"),
 ])
-def test_cross_references_and_required_settings_fail_by_name(helm, values, setting, message):
+def test_stale_or_missing_generated_values_and_required_settings_fail_by_name(helm, values, setting, message):
     assert message in helm.template_error(values, set_json=[setting] if setting else [])
+
+
+@pytest.mark.parametrize("change, message", [
+    (("batch: {pool: l4", "batch: {pool: a10"), "classes.batch.pool: 'a10' is not one of the pools ['h100', 'l4']"),
+    (("default_class: batch", "default_class: nope"), "default_class: 'nope' is not one of the classes"),
+    (("class: premium", "class: vip"), "rules.0.class: unknown class `vip`"),
+    (("cpu: {signal: cpu_load, trip_above: 0.95, recover_below: 0.80", "cpu: {signal: cpu_load, trip_above: 0.95, recover_below: 0.99"),
+     "pools.h100.breakers.cpu"),
+    (("\n  l4:\n", "\n    when_degraded: {spill_to: h100}\n  l4:\n"),
+     "pools.h100.when_degraded.spill_to: 'h100' must be another of the pools"),
+])
+def test_the_policy_model_refuses_what_the_chart_would_take_by_field(tmp_path, capsys, change, message):
+    """The chart checks no policy itself: the values it takes are written by the policy model,
+    which refuses a broken policy by file, line and field before anything is rendered."""
+    from infermesh.cli import main
+
+    bad = tmp_path / "policy.yaml"
+    text = PRODUCTION_POLICY.read_text()
+    assert change[0] in text
+    bad.write_text(text.replace(change[0], change[1], 1))
+    assert main(["policy", "render", str(bad), "helm-values"]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}:" in err and message in err, err
 
 
 @pytest.mark.parametrize("kind, break_it, field", [
@@ -330,13 +384,13 @@ def test_notes_render_and_name_pools_and_filter_form(helm, tmp_path):
     (chart / "templates" / "notes-preview.yaml").write_text(
         'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata:\n  notes: {{ tpl (.Files.Get "files/notes.txt") . | quote }}\n')
     r = helm.run("template", RELEASE, str(chart), "--namespace", NAMESPACE, "--kube-version", helm.kube_version,
-                 "--values", str(PRODUCTION_VALUES), "--show-only", "templates/notes-preview.yaml")
+                 *[a for f in SCENARIOS["production"] for a in ("--values", str(f))], "--show-only", "templates/notes-preview.yaml")
     assert r.returncode == 0, r.stderr
     notes = yaml.safe_load(r.stdout)["data"]["notes"]
     assert "  - h100: 2 replica(s), models llama-3-70b -> phi-3-mini" in notes
     assert "  - l4: 4 replica(s), models llama-3-8b" in notes
     assert "Default pool (requests no rule matches): l4" in notes
-    assert "an EnvoyFilter (a rule reads the body)" in notes
+    assert "an EnvoyFilter (a rule reads the body, or routes decide rules natively)" in notes
     assert "curl -s http://infermesh.infermesh:8000/v1/models" in notes
 
 
@@ -349,6 +403,90 @@ def test_policy_render_helm_values_gives_a_values_file_for_any_policy(helm, tmp_
     assert main(["policy", "render", str(production), "helm-values"]) == 0
     values = tmp_path / "values.json"
     values.write_text(capsys.readouterr().out)
+    assert json.loads(values.read_text()) == json.loads(policy_values(production).read_text())
     rendered = helm.template([PIN, values])
     assert parse_policy(rendered.one("ConfigMap")["data"]["policy.yaml"]) == load_policy(production)
     assert {d["metadata"]["name"] for d in rendered.of("Deployment")} == {"infermesh-h100", "infermesh-l4"}
+
+
+def test_plain_helm_template_renders_as_with_an_official_helm(helm):
+    """Without --kube-version an official Helm assumes the Kubernetes version of its own client
+    libraries, not v1.20: the chart's kubeVersion (>= 1.30) holds. setup-chart-tools.sh builds
+    Helm with the flags of Helm's Makefile, which set it (and the version, commit, tree state)."""
+    r = helm.run("template", RELEASE, str(CHART), "--values", str(PIN))
+    assert r.returncode == 0, r.stderr
+    assert {o["kind"] for o in yaml.safe_load_all(r.stdout) if o} >= {"Deployment", "VirtualService", "EnvoyFilter"}
+    r = helm.run("version", "--template", "{{ .Version }} {{ .GitCommit }} {{ .GitTreeState }}")
+    version, commit, tree = r.stdout.split()
+    assert version.startswith("v3.") and re.fullmatch(r"[0-9a-f]{40}", commit) and tree == "clean", r.stdout
+
+
+def _request_matrix() -> list[Request]:
+    """Methods (one in lower case), paths (with a query, near misses), the headers the test
+    policies' rules read, gRPC, and spoofed routing headers."""
+    methods = ["GET", "POST", "post", "HEAD", "PUT"]
+    paths = ["/v1/chat/completions", "/v1/chat/completions?api-version=2", "/v1/completions", "/health", "/health?probe=1",
+             "/healthz", "/infermesh.v1.Inference/Generate", "/v1/", "/"]
+    headers = [(), (("x-priority", "high"),), (("x-priority", "low"),), (("x-tenant", "batch-7"),),
+               (("x-tenant", "batch-7"), ("x-debug", "1")), (("x-trace-id", "abc"),), (("content-type", "application/grpc"),),
+               (("content-type", "application/grpc+proto"), ("x-priority", "high")),
+               (("x-infermesh-pool", "fast"), ("x-infermesh-class", "chat")), (("x-infermesh-pool", "slow"),)]
+    return [Request(m, p, h) for m in methods for p in paths for h in headers]
+
+
+@pytest.mark.parametrize("name", list(SCENARIO_INPUTS))
+def test_the_charts_routes_decide_every_request_as_the_plain_envoy_routes(helm, name):
+    """The chart's VirtualService and EnvoyFilter, read as istiod turns them into Envoy routes,
+    against the plain-Envoy route table the local mesh serves for the same policy: for every
+    request of a matrix the same pool and front, the same routing headers set by the route, and
+    the Wasm filter on exactly where it runs there. Where it runs it decides with the same config
+    and sets the pool header, and both tables then send the request to that pool. (That the
+    plain-Envoy native routes decide as the filter itself: e2e/test_native_rules_integration.py
+    with the real Envoy and filter; the chart through real istiod: e2e/test_istiod_e2e.py.)"""
+    files = SCENARIOS[name]
+    values, rendered = merged_values(files), helm.template(files)
+    policy = scenario_policy(values)
+    hcm = bootstrap(LocalMeshPlan(policy=policy).listener(Path("/infermesh.wasm")))["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    plain_routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    plain_config = hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"]
+
+    chain = f"{values['filter']['namespace']}.{RELEASE}-filter"
+    (ef,) = rendered.of("EnvoyFilter") or [None]
+    patches = ef["spec"]["configPatches"] if ef else []
+    filter_off = {p["match"]["routeConfiguration"]["vhost"]["route"]["name"] for p in patches
+                  if p["applyTo"] == "HTTP_ROUTE" and p["patch"]["value"].get("typed_per_filter_config", {}).get(chain, {}).get("disabled")}
+    strips = [p for p in patches if p["applyTo"] == "NETWORK_FILTER"
+              and p["patch"]["value"]["typed_config"].get("early_header_mutation_extensions") == STRIP_CLIENT_HEADERS]
+    assert bool(strips) == ("early_header_mutation_extensions" in hcm)
+    # The filter carries the same config, byte for byte where it is a string.
+    if ef:
+        assert patches[0]["patch"]["value"]["typed_config"]["config"]["configuration"]["value"] == plain_config
+    else:
+        assert rendered.one("WasmPlugin")["spec"]["pluginConfig"] == json.loads(plain_config)
+
+    http = rendered.one("VirtualService", RELEASE)["spec"]["http"]
+    pool_of_host = {f"{RELEASE}-{p}.{NAMESPACE}.svc.{values['clusterDomain']}": p for p in policy.pools}
+    grpc_port = values["ports"]["grpc"]
+
+    def both(req: Request, arriving: bool = True) -> Outcome:
+        if arriving and strips:
+            req = req.stripped()
+        plain = envoy_outcome(plain_routes, WASM_FILTER, req)
+        mesh = istio_outcome(http, filter_off, pool_of_host, grpc_port, req)
+        assert plain is not None and mesh is not None and mesh.decision() == plain.decision(), (req, plain, mesh)
+        return plain
+
+    native = 0
+    for req in _request_matrix():
+        if both(req).filter_runs:
+            for pool in policy.pools:  # the filter's decision, then the route chosen again
+                assert both(req.stripped().with_header("x-infermesh-pool", pool), arriving=False).pool == pool
+        else:
+            native += 1
+    if name == "native-header-only":
+        assert native == len(_request_matrix())  # every rule decided by a route: the filter never runs
+    elif name == "default":
+        assert 0 < native < len(_request_matrix())  # gRPC Generate and the default natively, chats by the filter
+    else:
+        assert native == 0  # trusted sources: only the filter may decide
+

@@ -1,63 +1,57 @@
-"""Generate the Istio resources for a policy: the Kubernetes form of what envoy_bootstrap.py
-gives plain Envoy.
+"""The Istio resources of a policy: the plain-Envoy parts of envoy_resources.py in Istio's
+vocabulary.
 
     per pool      a Service (OpenAI HTTP front + gRPC) and a DestinationRule
-    once          a front Service clients address, a VirtualService that routes on the
-                  filter's `x-infermesh-pool` header (and one for the ingress gateways), and
-                  the filter itself: a WasmPlugin when every rule decides on headers, an
-                  EnvoyFilter when some rule reads the body
+    once          a front Service clients address, a VirtualService (and one for the ingress
+                  gateways), and the filter: an EnvoyFilter when a rule reads the body or native
+                  header rules decide some requests, a WasmPlugin otherwise
 
     infermesh policy render POLICY istio --wasm-url oci://… --wasm-sha256 HEX | kubectl apply -f -
 
-The same policy routes the same request to the same pool here and in plain Envoy: one route per
-pool on the pool header, then a default route to the default class's pool (tests compare both
-generators, and the Helm chart in charts/infermesh, which renders these objects from the same
-policy). What the local control plane does at run time (spill and shed while a pool is degraded)
-has no Istio counterpart here; docs/kubernetes.md says why.
+Nothing is decided here. `chart_parts()` translates what envoy_resources decides (the route table
+in order: per-pool header routes, native header-rule routes, the default; the Wasm filter; the
+pool limits and retries) into release-independent Istio pieces; `resources()` and the Helm chart
+(charts/infermesh reads the same pieces from its `generated` values, which `infermesh policy
+render POLICY helm-values` writes) only add names, ports and where the module lives. charts/tests
+proves that the two assemblies give the same objects. What the local control plane does at run
+time (spill and shed while a pool is degraded) has no Istio counterpart; docs/kubernetes.md.
 """
 
 from __future__ import annotations
 
+import copy
+import decimal
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
-from .envoy_bootstrap import POOL_HEADER, REQUEST_BUFFER_LIMIT_BYTES
+from .envoy_resources import (
+    GRPC_CONTENT_TYPE,
+    POOL_LIMITS,
+    REQUEST_BUFFER_LIMIT_BYTES,
+    STRIP_CLIENT_HEADERS,
+    WASM_FILTER,
+    WASM_OFF,
+    MeshListener,
+    PoolEndpoint,
+    Routing,
+    cluster_name,
+    remote_code,
+    retry_policy,
+    routes,
+    uses_native_rules,
+    wasm_filter_config,
+)
 from .policy import Policy
 
-WASM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
-GRPC_CONTENT_TYPE_PREFIX = "application/grpc"
-
-# The per-pool limits and outlier detection of envoy_bootstrap's pool clusters, in Istio's
-# vocabulary (tests check the two agree). The connection limits sit far above what a sidecar
-# admits (it sheds with 429 first); they stop a runaway client from piling onto a GPU pool.
-CONNECTION_POOL = {
-    "tcp": {"maxConnections": 4096, "connectTimeout": "1s"},
-    "http": {"http1MaxPendingRequests": 4096, "http2MaxRequests": 4096, "maxRetries": 64},
-}
-# Eject an endpoint only for failures of its own making at the connection level (refused,
-# reset, timed out). 5xx counting is off (`consecutive5xxErrors: 0`) and gateway errors are
-# left unset (off): both count 503, and a sidecar answering 429/503 is shedding on purpose —
-# ejecting it would move its load onto the pool's other replicas, which are just as full.
-OUTLIER_DETECTION = {
-    "splitExternalLocalOriginErrors": True,
-    "consecutiveLocalOriginFailures": 5,
-    "consecutive5xxErrors": 0,
-    "interval": "2s",
-    "baseEjectionTime": "10s",
-    "maxEjectionPercent": 50,
-}
-# Retry only where no response has begun (a refused or reset connection: a dead or restarting
-# sidecar), as envoy_bootstrap's routes do. A 503 / UNAVAILABLE is a pool refusing work
-# (shedding, draining); retrying it would defeat the shedding.
-RETRIES = {"attempts": 2, "retryOn": "connect-failure,refused-stream,reset"}
-
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+HCM = "envoy.filters.network.http_connection_manager"
+HCM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
 class IstioConfigError(ValueError):
@@ -106,12 +100,6 @@ class IstioOptions:
         return f"{service}.{self.namespace}.svc.{self.cluster_domain}"
 
 
-def pool_order(policy: Policy) -> list[str]:
-    """Pools by name: the order Helm's templates iterate a map in, so both renderings agree.
-    (The per-pool routes match disjoint header values, so their order does not change routing.)"""
-    return sorted(policy.pools)
-
-
 def pool_service_name(opts: IstioOptions, pool: str) -> str:
     return f"{opts.name}-{pool}"
 
@@ -141,6 +129,208 @@ def check(policy: Policy, opts: IstioOptions) -> None:
         raise IstioConfigError(f"wasm_url: {opts.wasm_url!r} must start with oci://, https://, http:// or file://")
 
 
+# -- the parts: envoy_resources' decisions in Istio's vocabulary, release-independent -----------
+
+
+def envoy_form(policy: Policy) -> MeshListener:
+    """The plain-Envoy listener whose routes the VirtualService translates. Hosts, ports and the
+    module path are placeholders: only the route table's shape is read."""
+    return MeshListener(
+        listen_host="0.0.0.0", listen_port=0, admin_port=0, wasm_path=Path("infermesh.wasm"),
+        filter_config=policy.filter_config(),
+        pools=[PoolEndpoint(p, "0.0.0.0", 1, 2) for p in policy.pools],  # every pool has both fronts here
+        default_pool=policy.default_pool,
+        routing=Routing.from_policy(policy),
+    )
+
+
+def _method_regex(method: str) -> str:
+    """`exact` with `ignore_case` (Istio's StringMatch has no ignore_case) as an RE2 pattern that
+    folds ASCII case only, as the filter's comparison does."""
+    return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else re.escape(c) for c in method)
+
+
+def _string_match(sm: dict) -> dict | None:
+    if "safe_regex" in sm:
+        return {"regex": sm["safe_regex"]["regex"]}
+    if sm.get("ignore_case"):
+        return None
+    kind, = (k for k in ("exact", "prefix") if k in sm)
+    return {kind: sm[kind]}
+
+
+def http_match(match: dict) -> dict | None:
+    """An Envoy RouteMatch as an Istio HTTPMatchRequest ({}: every request); None when Istio
+    cannot say it (two conditions on one header: a VirtualService match keys them by name)."""
+    out: dict[str, Any] = {}
+    if "path" in match:
+        out["uri"] = {"exact": match["path"]}
+    elif match.get("prefix", "/") != "/":
+        out["uri"] = {"prefix": match["prefix"]}
+    headers: dict[str, dict] = {}
+    without: dict[str, dict] = {}
+    for h in match.get("headers", []):
+        name = h["name"]
+        if name in headers or name in without or (name == ":method" and "method" in out):
+            return None
+        if name == ":method":
+            sm = h["string_match"]
+            out["method"] = {"regex": _method_regex(sm["exact"])} if sm.get("ignore_case") else _string_match(sm)
+        elif "present_match" in h:
+            # An empty StringMatch is Istio's presence match; under withoutHeaders, absence.
+            (headers if h["present_match"] else without)[name] = {}
+        else:
+            sm = _string_match(h["string_match"])
+            if sm is None:
+                return None
+            headers[name] = sm
+    if headers:
+        out["headers"] = headers
+    if without:
+        out["withoutHeaders"] = without
+    return out
+
+
+def _route_part(r: dict, pools: dict[str, tuple[str, bool]]) -> dict | None:
+    """One Envoy route as {pool, grpc, wasm, http}: `http` is the VirtualService HTTPRoute
+    without its destination (the pool's Service, named per release, and its port)."""
+    match = http_match(r["match"])
+    if match is None:
+        return None
+    pool, grpc = pools[r["route"]["cluster"]]
+    retry = r["route"]["retry_policy"]
+    http: dict[str, Any] = {"name": r["name"], **({"match": [match]} if match else {})}
+    set_headers = {h["header"]["key"]: h["header"]["value"] for h in r.get("request_headers_to_add", [])}
+    if set_headers:
+        http["headers"] = {"request": {"set": set_headers}}
+    # No route timeout: a streamed completion may run for minutes.
+    http["timeout"] = r["route"]["timeout"]
+    http["retries"] = {"attempts": retry["num_retries"], "retryOn": retry["retry_on"]}
+    return {"pool": pool, "grpc": grpc, "wasm": WASM_FILTER not in r.get("typed_per_filter_config", {}), "http": http}
+
+
+def route_parts(policy: Policy) -> list[dict]:
+    """The VirtualService's routes, in the order of the plain-Envoy route table.
+
+    A route Istio cannot express ends the list with a catch-all pair that runs the filter (it
+    decides with every rule, so the first match still wins), as the plain-Envoy table does for
+    a rule only the filter can judge."""
+    m = envoy_form(policy)
+    pools = {cluster_name(p, grpc): (p, grpc) for p in policy.pools for grpc in (False, True)}
+    out = []
+    for r in routes(m):
+        part = _route_part(r, pools)
+        if part is None:
+            base = r["name"].removesuffix("-grpc").removeprefix("rule-")
+            catch_all = [{"name": f"filter-{base}{suffix}", "match": match,
+                          "route": {"cluster": cluster_name(policy.default_pool, grpc), "timeout": "0s", "retry_policy": retry_policy()}}
+                         for suffix, grpc, match in (("-grpc", True, {"prefix": "/", "headers": [GRPC_CONTENT_TYPE]}),
+                                                     ("", False, {"prefix": "/"}))]
+            return out + [_route_part(c, pools) for c in catch_all]
+        out.append(part)
+    return out
+
+
+def traffic_policy() -> dict:
+    """envoy_resources' pool limits and outlier detection as a DestinationRule trafficPolicy.
+    5xx counting off (`consecutive5xxErrors: 0`) and gateway errors unset (off): a sidecar
+    answering 429/503 is shedding on purpose."""
+    lim = POOL_LIMITS
+    return {
+        "connectionPool": {
+            "tcp": {"maxConnections": lim.max_connections, "connectTimeout": lim.connect_timeout},
+            "http": {"http1MaxPendingRequests": lim.max_pending_requests, "http2MaxRequests": lim.max_requests, "maxRetries": lim.max_retries},
+        },
+        "outlierDetection": {
+            "splitExternalLocalOriginErrors": True,
+            "consecutiveLocalOriginFailures": lim.consecutive_local_origin_failures,
+            "consecutive5xxErrors": 0,
+            "interval": lim.ejection_interval,
+            "baseEjectionTime": lim.base_ejection_time,
+            "maxEjectionPercent": lim.max_ejection_percent,
+        },
+    }
+
+
+def chart_parts(policy: Policy) -> dict:
+    """Everything the Istio objects take from the policy, with no release, namespace or port in
+    it: the chart's `generated` values (without the policy digest) and what resources() builds on.
+
+        defaultPool   the default class's pool (the front Service selects its pods)
+        pools         per pool: replicas, GPU, the model ladder's names, whether it has local models
+        filter        form (EnvoyFilter | WasmPlugin), the Wasm filter config without its code
+                      and failure policy, the HCM patch that strips client x-infermesh-* headers
+                      before routing (native rules only)
+        routes        the VirtualService's routes: {pool, grpc, wasm (the filter runs), http}
+        routeSettings what every route gets in the EnvoyFilter form (the body buffer)
+        wasmOff       the per-route config that turns the filter off
+        trafficPolicy the DestinationRules' connection limits and outlier detection
+    """
+    m = envoy_form(policy)
+    native = uses_native_rules(m)
+    wasm = wasm_filter_config(policy.filter_config(), remote_code("", ""))
+    del wasm["config"]["failure_policy"], wasm["config"]["vm_config"]["code"]
+    return {
+        "defaultPool": policy.default_pool,
+        "pools": {name: {"replicas": p.replicas, "gpu": {"type": p.gpu.type, "count": p.gpu.count},
+                         "models": [x.name for x in p.models], "localModels": any(x.path is None for x in p.models)}
+                  for name, p in sorted(policy.pools.items())},
+        "filter": {
+            # Only an EnvoyFilter can set allow_on_headers_stop_iteration (body rules) and names
+            # the filter itself, so routes can turn it off (a WasmPlugin's name in the chain is
+            # Istio's own and changes between versions).
+            "form": "EnvoyFilter" if policy.needs_body or native else "WasmPlugin",
+            "wasm": wasm,
+            "earlyHeaderMutation": copy.deepcopy(STRIP_CLIENT_HEADERS) if native else [],
+        },
+        "routes": route_parts(policy),
+        "routeSettings": {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES} if policy.needs_body else {},
+        "wasmOff": copy.deepcopy(WASM_OFF[WASM_FILTER]),
+        "trafficPolicy": traffic_policy(),
+    }
+
+
+def go_json(value: Any) -> str:
+    """`value` as Helm's toJson writes it (Go's encoding/json: keys sorted, no spaces, <, > and &
+    escaped, numbers as float64), so a digest taken here equals one the chart takes."""
+    def number(x: int | float) -> str:
+        if isinstance(x, int) or (x.is_integer() and abs(x) < 1e21):
+            return str(int(x))
+        if 1e-6 <= abs(x) < 1e21:
+            return format(decimal.Decimal(repr(x)), "f")
+        return re.sub(r"e([+-])0*(\d)", r"e\1\2", repr(x))
+
+    def enc(v: Any) -> str:
+        if v is None or isinstance(v, (bool, str)):
+            return json.dumps(v, ensure_ascii=False)
+        if isinstance(v, (int, float)):
+            return number(v)
+        if isinstance(v, dict):
+            return "{" + ",".join(f"{enc(str(k))}:{enc(v[k])}" for k in sorted(v, key=str)) + "}"
+        return "[" + ",".join(enc(x) for x in v) + "]"
+
+    out = enc(value)
+    for c, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        out = out.replace(c, esc)
+    return out
+
+
+def policy_digest(raw_policy: dict) -> str:
+    """SHA-256 of the policy as Helm sees it (`sha256sum (toJson .Values.policy)`): the chart
+    refuses generated values whose policy was edited after they were written."""
+    return hashlib.sha256(go_json(raw_policy).encode()).hexdigest()
+
+
+def helm_values(policy: Policy, raw_policy: dict) -> dict:
+    """The chart values for a policy: the policy as written, and what the chart takes from the
+    policy model (`infermesh policy render POLICY helm-values`)."""
+    return {"policy": raw_policy, "generated": {"policySha256": policy_digest(raw_policy), **chart_parts(policy)}}
+
+
+# -- the objects: the parts, with names, ports and the module's location added -----------------
+# (charts/infermesh/templates assemble the same parts the same way.)
+
+
 def _meta(name: str, namespace: str, opts: IstioOptions, extra_labels: dict[str, str] | None = None) -> dict:
     base = {"app.kubernetes.io/name": "infermesh", "app.kubernetes.io/instance": opts.name}
     return {"name": name, "namespace": namespace, "labels": base | (extra_labels or {})}
@@ -162,54 +352,33 @@ def _service(opts: IstioOptions, name: str, selector: dict[str, str], extra_labe
     }
 
 
-def services(policy: Policy, opts: IstioOptions) -> list[dict]:
+def services(parts: dict, opts: IstioOptions) -> list[dict]:
     """The front Service, then one Service per pool.
 
     The front Service is the name clients call; the VirtualService decides the pool. It selects
     the default pool's pods, so a caller whose proxy applies no route lands where a request
     without a pool header lands in plain Envoy.
     """
-    out = [_service(opts, opts.name, labels(opts, policy.default_pool), {"app.kubernetes.io/component": "front"})]
-    for pool in pool_order(policy):
+    out = [_service(opts, opts.name, labels(opts, parts["defaultPool"]), {"app.kubernetes.io/component": "front"})]
+    for pool in parts["pools"]:
         out.append(_service(opts, pool_service_name(opts, pool), labels(opts, pool),
                             {"app.kubernetes.io/component": "sidecar", "infermesh.io/pool": pool}))
     return out
 
 
-def _route(opts: IstioOptions, name: str, pool: str, grpc: bool, pool_header: str | None) -> dict:
-    headers: dict[str, dict] = {}
-    if pool_header is not None:
-        headers[POOL_HEADER] = {"exact": pool_header}
-    if grpc:
-        headers["content-type"] = {"prefix": GRPC_CONTENT_TYPE_PREFIX}
-    route: dict = {"name": name + ("-grpc" if grpc else "")}
-    if headers:
-        route["match"] = [{"headers": headers}]
-    route["route"] = [{"destination": {"host": opts.fqdn(pool_service_name(opts, pool)),
-                                       "port": {"number": opts.grpc_port if grpc else opts.http_port}}}]
-    # No route timeout: a streamed completion may run for minutes (the plain-Envoy routes say 0s too).
-    route["timeout"] = "0s"
-    route["retries"] = dict(RETRIES)
-    return route
+def http_routes(parts: dict, opts: IstioOptions) -> list[dict]:
+    """The VirtualService's routes: each route part with its pool's Service and port. Route
+    names are envoy_resources' (`class-pool-POOL`, `rule-RULE`, `filter-RULE`, `default-pool`),
+    `-grpc` marking the gRPC twin, which goes to the pool's gRPC port."""
+    out = []
+    for part in parts["routes"]:
+        port = opts.grpc_port if part["grpc"] else opts.http_port
+        dest = {"destination": {"host": opts.fqdn(pool_service_name(opts, part["pool"])), "port": {"number": port}}}
+        out.append(copy.deepcopy(part["http"]) | {"route": [dest]})
+    return out
 
 
-def http_routes(policy: Policy, opts: IstioOptions) -> list[dict]:
-    """The VirtualService's routes, in order: per pool on the pool header, then the default.
-
-    Each comes twice: gRPC (content-type application/grpc…) goes to the pool's gRPC port and
-    everything else to its HTTP front, whichever front port the request arrived on. Route names
-    are those of envoy_bootstrap (`class-pool-POOL`, `default-pool`), `-grpc` marking the gRPC twin.
-    """
-    routes = []
-    for pool in pool_order(policy):
-        for grpc in (True, False):
-            routes.append(_route(opts, f"class-pool-{pool}", pool, grpc, pool))
-    for grpc in (True, False):
-        routes.append(_route(opts, "default-pool", policy.default_pool, grpc, None))
-    return routes
-
-
-def virtual_services(policy: Policy, opts: IstioOptions) -> list[dict]:
+def virtual_services(parts: dict, opts: IstioOptions) -> list[dict]:
     """The mesh's VirtualService (the front Service's name), and one for the gateways if any.
 
     Two objects because Istio refuses a wildcard host on a VirtualService bound to the mesh.
@@ -219,7 +388,7 @@ def virtual_services(policy: Policy, opts: IstioOptions) -> list[dict]:
             "apiVersion": "networking.istio.io/v1",
             "kind": "VirtualService",
             "metadata": _meta(name, opts.namespace, opts),
-            "spec": {"hosts": hosts, "gateways": gateways, "http": http_routes(policy, opts)},
+            "spec": {"hosts": hosts, "gateways": gateways, "http": http_routes(parts, opts)},
         }
 
     out = [vs(opts.name, [opts.fqdn(opts.name)], ["mesh"])]
@@ -228,18 +397,15 @@ def virtual_services(policy: Policy, opts: IstioOptions) -> list[dict]:
     return out
 
 
-def destination_rules(policy: Policy, opts: IstioOptions) -> list[dict]:
+def destination_rules(parts: dict, opts: IstioOptions) -> list[dict]:
     out = []
-    for pool in pool_order(policy):
+    for pool in parts["pools"]:
         name = pool_service_name(opts, pool)
         out.append({
             "apiVersion": "networking.istio.io/v1",
             "kind": "DestinationRule",
             "metadata": _meta(name, opts.namespace, opts, {"infermesh.io/pool": pool}),
-            "spec": {
-                "host": opts.fqdn(name),
-                "trafficPolicy": {"connectionPool": json.loads(json.dumps(CONNECTION_POOL)), "outlierDetection": dict(OUTLIER_DETECTION)},
-            },
+            "spec": {"host": opts.fqdn(name), "trafficPolicy": copy.deepcopy(parts["trafficPolicy"])},
         })
     return out
 
@@ -248,8 +414,19 @@ def filter_object_name(opts: IstioOptions) -> str:
     return f"{opts.name}-filter"
 
 
-def wasm_plugin(policy: Policy, opts: IstioOptions) -> dict:
-    """The filter as a WasmPlugin: for policies whose rules decide on headers only."""
+def filter_chain_name(opts: IstioOptions) -> str:
+    """The EnvoyFilter form's name for the filter in the chain (and of its extension config)."""
+    return f"{opts.filter_namespace}.{filter_object_name(opts)}"
+
+
+def plugin_config(parts: dict) -> dict:
+    """The filter's own JSON config (Policy.filter_config()), as the Wasm filter carries it."""
+    return json.loads(parts["filter"]["wasm"]["config"]["configuration"]["value"])
+
+
+def wasm_plugin(parts: dict, opts: IstioOptions) -> dict:
+    """The filter as a WasmPlugin: policies whose rules decide on headers and that the filter
+    decides on every request (native rules off: trusted sources)."""
     spec: dict = {
         "selector": {"matchLabels": dict(opts.filter_selector)},
         "url": opts.wasm_url,
@@ -261,7 +438,7 @@ def wasm_plugin(policy: Policy, opts: IstioOptions) -> dict:
         "type": "HTTP",
         # No phase: Istio then inserts it right before the router, after authentication and
         # authorization, so a request that is refused anyway is never classified.
-        "pluginConfig": policy.filter_config(),
+        "pluginConfig": plugin_config(parts),
     }
     if opts.attach_to == "sidecar":
         spec["match"] = [{"mode": "CLIENT"}]
@@ -273,64 +450,50 @@ def wasm_plugin(policy: Policy, opts: IstioOptions) -> dict:
     }
 
 
-def wasm_filter_config(policy: Policy, opts: IstioOptions) -> dict:
-    """The Wasm HTTP filter (envoy.extensions.filters.http.wasm.v3.Wasm) the EnvoyFilter delivers.
-
-    The same settings as envoy_bootstrap's filter; only the code source differs: `remote`, which
-    the Istio agent fetches (HTTP or OCI), checks against the sha256 and hands Envoy as a file.
-    """
-    return {
-        "@type": WASM_TYPE_URL,
-        "config": {
-            "name": "infermesh",
-            "root_id": "infermesh",
-            "failure_policy": "FAIL_OPEN" if opts.fail_strategy == "FAIL_OPEN" else "FAIL_CLOSED",
-            # What WasmPlugin cannot say (see module docstring): lets the filter pause in the
-            # headers callback and decide on the body; without it such requests hang.
-            "allow_on_headers_stop_iteration": True,
-            "configuration": {
-                "@type": "type.googleapis.com/google.protobuf.StringValue",
-                # Keys sorted, as the chart's toJson writes them: the same policy, the same bytes.
-                "value": json.dumps(policy.filter_config(), separators=(",", ":"), sort_keys=True),
-            },
-            "vm_config": {
-                "vm_id": "infermesh",
-                "runtime": "envoy.wasm.runtime.v8",
-                "code": {"remote": {"http_uri": {"uri": opts.wasm_url, "timeout": "30s"}, "sha256": opts.wasm_sha256}},
-            },
-        },
-    }
+def wasm_extension_config(parts: dict, opts: IstioOptions) -> dict:
+    """The Wasm filter the EnvoyFilter delivers: envoy_resources' filter with remote code, which
+    the Istio agent fetches (HTTP or OCI), checks against the sha256 and hands Envoy as a file."""
+    wasm = copy.deepcopy(parts["filter"]["wasm"])
+    wasm["config"]["failure_policy"] = "FAIL_OPEN" if opts.fail_strategy == "FAIL_OPEN" else "FAIL_CLOSED"
+    wasm["config"]["vm_config"]["code"] = remote_code(opts.wasm_url, opts.wasm_sha256)
+    return wasm
 
 
-def envoy_filter(policy: Policy, opts: IstioOptions) -> dict:
-    """The filter as an EnvoyFilter: for policies with body rules.
+def envoy_filter(parts: dict, opts: IstioOptions) -> dict:
+    """The filter as an EnvoyFilter, with what the VirtualService cannot say.
 
-    Three kinds of patches: the Wasm filter config as an extension config (ECDS, so the agent can
-    fetch the module); the filter itself, inserted before the router and pointing at that config;
-    and, per route of the VirtualService, a request buffer big enough for the filter to hold a
-    body of `body.max_bytes` plus one more read (as envoy_bootstrap sets on its virtual host).
+    The Wasm filter config as an extension config (ECDS, so the agent can fetch the module); the
+    filter itself, inserted before the router and pointing at that config; with native rules,
+    the HCM's early header mutation that strips client x-infermesh-* headers before a route is
+    chosen; and per route, the body buffer (body rules) and, on natively decided routes, the
+    filter turned off.
     """
     context = "GATEWAY" if opts.attach_to == "gateway" else "SIDECAR_OUTBOUND"
-    ecds_name = f"{opts.filter_namespace}.{filter_object_name(opts)}"
+    name = filter_chain_name(opts)
+    hcm_match = {"context": context, "listener": {"filterChain": {"filter": {"name": HCM}}}}
     patches: list[dict] = [
         {"applyTo": "EXTENSION_CONFIG",
-         "patch": {"operation": "ADD", "value": {"name": ecds_name, "typed_config": wasm_filter_config(policy, opts)}}},
+         "patch": {"operation": "ADD", "value": {"name": name, "typed_config": wasm_extension_config(parts, opts)}}},
         {"applyTo": "HTTP_FILTER",
-         "match": {"context": context, "listener": {"filterChain": {"filter": {
-             "name": "envoy.filters.network.http_connection_manager",
-             "subFilter": {"name": "envoy.filters.http.router"}}}}},
+         "match": {"context": context, "listener": {"filterChain": {"filter": {"name": HCM, "subFilter": {"name": "envoy.filters.http.router"}}}}},
          "patch": {"operation": "INSERT_BEFORE", "value": {
-             "name": ecds_name,
+             "name": name,
              # initial_fetch_timeout 0s: a listener waits for the filter instead of serving
              # its first requests without it.
-             "config_discovery": {"config_source": {"ads": {}, "initial_fetch_timeout": "0s"}, "type_urls": [WASM_TYPE_URL]}}}},
+             "config_discovery": {"config_source": {"ads": {}, "initial_fetch_timeout": "0s"},
+                                  "type_urls": [parts["filter"]["wasm"]["@type"]]}}}},
     ]
-    for route in http_routes(policy, opts):
-        patches.append({
-            "applyTo": "HTTP_ROUTE",
-            "match": {"context": context, "routeConfiguration": {"vhost": {"route": {"name": route["name"]}}}},
-            "patch": {"operation": "MERGE", "value": {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES}},
-        })
+    if parts["filter"]["earlyHeaderMutation"]:
+        patches.append({"applyTo": "NETWORK_FILTER", "match": hcm_match, "patch": {"operation": "MERGE", "value": {
+            "typed_config": {"@type": HCM_TYPE_URL, "early_header_mutation_extensions": copy.deepcopy(parts["filter"]["earlyHeaderMutation"])}}}})
+    for route in parts["routes"]:
+        value = copy.deepcopy(parts["routeSettings"])
+        if not route["wasm"]:
+            value["typed_per_filter_config"] = {name: copy.deepcopy(parts["wasmOff"])}
+        if value:
+            patches.append({"applyTo": "HTTP_ROUTE",
+                            "match": {"context": context, "routeConfiguration": {"vhost": {"route": {"name": route["http"]["name"]}}}},
+                            "patch": {"operation": "MERGE", "value": value}})
     return {
         "apiVersion": "networking.istio.io/v1alpha3",
         "kind": "EnvoyFilter",
@@ -339,15 +502,15 @@ def envoy_filter(policy: Policy, opts: IstioOptions) -> dict:
     }
 
 
-def filter_object(policy: Policy, opts: IstioOptions) -> dict:
-    """WasmPlugin when every rule decides on headers, EnvoyFilter when one needs the body."""
-    return envoy_filter(policy, opts) if needs_body(policy) else wasm_plugin(policy, opts)
+def filter_object(parts: dict, opts: IstioOptions) -> dict:
+    return envoy_filter(parts, opts) if parts["filter"]["form"] == "EnvoyFilter" else wasm_plugin(parts, opts)
 
 
 def resources(policy: Policy, opts: IstioOptions) -> list[dict]:
     """Every object, in a stable order: Services, DestinationRules, VirtualServices, the filter."""
     check(policy, opts)
-    return [*services(policy, opts), *destination_rules(policy, opts), *virtual_services(policy, opts), filter_object(policy, opts)]
+    parts = chart_parts(policy)
+    return [*services(parts, opts), *destination_rules(parts, opts), *virtual_services(parts, opts), filter_object(parts, opts)]
 
 
 def module_sha256(path: Path) -> str:

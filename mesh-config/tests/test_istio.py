@@ -1,6 +1,7 @@
-"""The Istio resources of a policy: the same routing and pool protection as the plain-Envoy
-resources of envoy_bootstrap, the filter in the form its rules need, and errors that name the
-field. (charts/tests checks that the Helm chart renders exactly these objects.)"""
+"""The Istio resources of a policy: the plain-Envoy parts of envoy_resources translated (the same
+routes in the same order, the same pool protection), the filter in the form its rules need, and
+errors that name the field. (charts/tests checks that the Helm chart renders exactly these
+objects, and that their routes decide a request matrix as the plain-Envoy routes do.)"""
 
 import dataclasses
 import json
@@ -11,7 +12,8 @@ import pytest
 
 from infermesh import paths
 from infermesh.meshconfig import istio
-from infermesh.meshconfig.envoy_bootstrap import POOL_HEADER, REQUEST_BUFFER_LIMIT_BYTES, bootstrap, route_config
+from infermesh.meshconfig.envoy_bootstrap import bootstrap
+from infermesh.meshconfig.envoy_resources import POOL_HEADER, REQUEST_BUFFER_LIMIT_BYTES, STRIP_CLIENT_HEADERS, route_config
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy, parse_policy
 
@@ -32,58 +34,78 @@ pools:
   fast: {models: [{name: big}]}
   slow: {models: [{name: small}]}
 """
+# The same rules with a trusted source: the filter must decide every request (native rules off).
+TRUSTED = HEADER_ONLY.replace("pools:", "filter: {trusted_cidrs: [10.0.0.0/8]}\npools:")
 
 
-def _plain_decisions(policy):
-    """(route name, pool header value or None, gRPC?, pool) of the plain-Envoy route table in the
-    form where the filter decides every request, as in Istio. (Plain Envoy's native header rules
-    decide the same requests the same way: e2e/test_native_rules_integration.py.)"""
-    m = dataclasses.replace(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")), native_rules=False)
+def _plain_routes(policy):
+    """(route name, gRPC?, pool, routing headers the route sets, filter off?) of the plain-Envoy
+    route table the local mesh serves for the policy."""
     out = []
-    for r in route_config(m)["virtual_hosts"][0]["routes"]:
-        headers = {h["name"]: h["string_match"] for h in r["match"].get("headers", [])}
+    for r in route_config(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"]:
         cluster = r["route"]["cluster"]
-        grpc = cluster.endswith("_grpc")
-        pool = cluster.removeprefix("pool_").removesuffix("_grpc")
-        assert ("content-type" in headers) == grpc, r
-        out.append((r["name"], headers.get(POOL_HEADER, {}).get("exact"), grpc, pool))
+        sets = {h["header"]["key"]: h["header"]["value"] for h in r.get("request_headers_to_add", [])}
+        out.append((r["name"], cluster.endswith("_grpc"), cluster.removeprefix("pool_").removesuffix("_grpc"), sets,
+                    "typed_per_filter_config" in r))
     return out
 
 
-def _istio_decisions(policy, opts=OPTS):
-    """The same tuple for the VirtualService's routes."""
+def _istio_routes(policy, opts=OPTS):
+    """The same tuple for the VirtualService's routes and the EnvoyFilter's per-route patches."""
+    parts = istio.chart_parts(policy)
     by_host = {opts.fqdn(istio.pool_service_name(opts, p)): p for p in policy.pools}
     out = []
-    for r in istio.http_routes(policy, opts):
-        headers = r["match"][0]["headers"] if "match" in r else {}
+    for r, part in zip(istio.http_routes(parts, opts), parts["routes"]):
         dest = r["route"][0]["destination"]
-        grpc = "content-type" in headers
-        assert dest["port"]["number"] == (opts.grpc_port if grpc else opts.http_port), r
-        out.append((r["name"], headers.get(POOL_HEADER, {}).get("exact"), grpc, by_host[dest["host"]]))
+        grpc = dest["port"]["number"] == opts.grpc_port
+        assert grpc == ("content-type" in (r["match"][0].get("headers", {}) if "match" in r else {})), r
+        out.append((r["name"], grpc, by_host[dest["host"]], r.get("headers", {}).get("request", {}).get("set", {}), not part["wasm"]))
     return out
 
 
-@pytest.mark.parametrize("policy", [load_policy(LOCAL_POLICY), load_policy(PRODUCTION), parse_policy(HEADER_ONLY)],
-                         ids=["local", "production", "header-only"])
-def test_the_same_request_goes_to_the_same_pool_as_in_plain_envoy(policy):
-    plain, mesh = _plain_decisions(policy), _istio_decisions(policy)
-    # Per-pool routes match disjoint header values, so only the default's place (last) and each
-    # gRPC twin's place (before its HTTP route) matter; the sets must be equal.
-    assert sorted(mesh) == sorted(plain)
-    assert mesh[-2:] == plain[-2:] == [("default-pool-grpc", None, True, policy.default_pool),
-                                       ("default-pool", None, False, policy.default_pool)]
-    for decisions in (plain, mesh):
-        for i, (name, header, grpc, pool) in enumerate(decisions):
-            if grpc:
-                assert decisions[i + 1] == (name.removesuffix("-grpc"), header, False, pool)
-    assert {h for _, h, _, _ in mesh if h} == set(policy.pools)
+@pytest.mark.parametrize("policy", [load_policy(LOCAL_POLICY), load_policy(PRODUCTION), parse_policy(HEADER_ONLY), parse_policy(TRUSTED)],
+                         ids=["local", "production", "header-only", "trusted"])
+def test_the_virtual_service_has_the_plain_envoy_routes_in_their_order(policy):
+    """Route for route: name, front, pool, the headers a natively decided route sets, and where
+    the filter is off. (Whether each match means the same: charts/tests, over a request matrix.)"""
+    assert _istio_routes(policy) == _plain_routes(policy)
+
+
+def test_native_rules_strip_client_headers_before_routing_and_turn_the_filter_off():
+    policy = parse_policy(HEADER_ONLY)
+    parts = istio.chart_parts(policy)
+    assert parts["filter"]["form"] == "EnvoyFilter" and not istio.needs_body(policy)
+    patches = istio.filter_object(parts, OPTS)["spec"]["configPatches"]
+    strip = next(p for p in patches if p["applyTo"] == "NETWORK_FILTER")
+    assert strip["match"] == {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager"}}}}
+    assert strip["patch"]["value"]["typed_config"]["early_header_mutation_extensions"] == STRIP_CLIENT_HEADERS
+    off = {p["match"]["routeConfiguration"]["vhost"]["route"]["name"]: p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_ROUTE"}
+    # Every rule and the default decide in a route: the filter is off there (no body: no buffer).
+    assert set(off) == {"rule-vip-grpc", "rule-vip", "rule-chat-grpc", "rule-chat", "default-pool-grpc", "default-pool"}
+    chain = patches[0]["patch"]["value"]["name"]
+    assert all(v == {"typed_per_filter_config": {chain: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}}}
+               for v in off.values())
+    # One method, matched case-insensitively as the filter does (Istio has no ignore_case).
+    chat = next(r for r in istio.http_routes(parts, OPTS) if r["name"] == "rule-chat")
+    assert chat["match"] == [{"uri": {"prefix": "/v1/chat/completions"}, "method": {"regex": "[Pp][Oo][Ss][Tt]"}}]
+    assert chat["headers"] == {"request": {"set": {"x-infermesh-class": "chat", "x-infermesh-pool": "fast", "x-infermesh-rule": "chat"}}}
+
+
+def test_a_match_istio_cannot_say_hands_the_rest_to_the_filter():
+    """Two conditions on one header (a VirtualService keys header matches by name): from that
+    route on the filter decides every request, on a catch-all pair to the default pool."""
+    twice = HEADER_ONLY.replace("{headers: [{name: x-priority, exact: high}]}",
+                                "{headers: [{name: x-priority, prefix: h}, {name: x-priority, exact: high}]}")
+    names = [(p["http"]["name"], p["wasm"], p["pool"]) for p in istio.chart_parts(parse_policy(twice))["routes"]]
+    assert names[-2:] == [("filter-vip-grpc", True, "slow"), ("filter-vip", True, "slow")]
+    assert [n for n, _, _ in names[:-2]] == ["class-pool-fast-grpc", "class-pool-fast", "class-pool-slow-grpc", "class-pool-slow"]
 
 
 def test_pool_limits_and_outlier_detection_are_those_of_the_plain_envoy_clusters():
     policy = load_policy(PRODUCTION)
     b = bootstrap(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")))
     route = route_config(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"][0]
-    for dr in istio.destination_rules(policy, OPTS):
+    for dr in istio.destination_rules(istio.chart_parts(policy), OPTS):
         pool = dr["metadata"]["labels"]["infermesh.io/pool"]
         c = next(c for c in b["static_resources"]["clusters"] if c["name"] == f"pool_{pool}")
         t = c["circuit_breakers"]["thresholds"][0]
@@ -107,14 +129,14 @@ def test_pool_limits_and_outlier_detection_are_those_of_the_plain_envoy_clusters
         }
     # Retries: the same conditions, never on a response.
     retry = route["route"]["retry_policy"]
-    for r in istio.http_routes(policy, OPTS):
+    for r in istio.http_routes(istio.chart_parts(policy), OPTS):
         assert r["retries"] == {"attempts": retry["num_retries"], "retryOn": retry["retry_on"]}
         assert r["timeout"] == route["route"]["timeout"] == "0s"
 
 
 def test_services_per_pool_with_both_fronts_and_a_front_service_on_the_default_pool():
     policy = load_policy(PRODUCTION)
-    svcs = {s["metadata"]["name"]: s for s in istio.services(policy, OPTS)}
+    svcs = {s["metadata"]["name"]: s for s in istio.services(istio.chart_parts(policy), OPTS)}
     assert set(svcs) == {"infermesh", "infermesh-h100", "infermesh-l4"}
     for name in ("infermesh-h100", "infermesh-l4"):
         ports = {p["name"]: (p["port"], p["appProtocol"]) for p in svcs[name]["spec"]["ports"]}
@@ -123,24 +145,26 @@ def test_services_per_pool_with_both_fronts_and_a_front_service_on_the_default_p
     assert svcs["infermesh"]["spec"]["selector"]["infermesh.io/pool"] == policy.default_pool == "l4"
 
 
-def test_header_only_rules_give_a_wasm_plugin_with_the_policy_filter_config():
-    policy = parse_policy(HEADER_ONLY)
+def test_header_only_rules_the_filter_decides_give_a_wasm_plugin_with_the_policy_filter_config():
+    policy = parse_policy(TRUSTED)
     assert not istio.needs_body(policy)
-    wp = istio.filter_object(policy, OPTS)
+    parts = istio.chart_parts(policy)
+    wp = istio.filter_object(parts, OPTS)
     assert wp["kind"] == "WasmPlugin" and wp["metadata"]["namespace"] == "istio-ingress"
     spec = wp["spec"]
     assert spec["pluginConfig"] == policy.filter_config()
     assert (spec["url"], spec["sha256"], spec["failStrategy"]) == (OPTS.wasm_url, SHA, "FAIL_OPEN")
     assert spec["selector"] == {"matchLabels": {"istio": "ingress"}}
     assert "match" not in spec  # a gateway: all its traffic
-    sidecar = istio.wasm_plugin(policy, istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, attach_to="sidecar"))
+    sidecar = istio.wasm_plugin(parts, istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, attach_to="sidecar"))
     assert sidecar["spec"]["match"] == [{"mode": "CLIENT"}]
 
 
 def test_body_rules_give_an_envoy_filter_that_can_pause_for_the_body():
     policy = load_policy(PRODUCTION)
     assert istio.needs_body(policy)
-    ef = istio.filter_object(policy, OPTS)
+    parts = istio.chart_parts(policy)
+    ef = istio.filter_object(parts, OPTS)
     assert ef["kind"] == "EnvoyFilter"
     patches = ef["spec"]["configPatches"]
     assert [p["applyTo"] for p in patches[:2]] == ["EXTENSION_CONFIG", "HTTP_FILTER"]
@@ -155,23 +179,24 @@ def test_body_rules_give_an_envoy_filter_that_can_pause_for_the_body():
     assert insert["patch"]["value"]["name"] == patches[0]["patch"]["value"]["name"]
     # Every route of the VirtualService can buffer a body as in plain Envoy.
     buffered = {p["match"]["routeConfiguration"]["vhost"]["route"]["name"]: p["patch"]["value"] for p in patches[2:]}
-    assert buffered == {r["name"]: {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES} for r in istio.http_routes(policy, OPTS)}
+    assert buffered == {r["name"]: {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES} for r in istio.http_routes(parts, OPTS)}
 
 
 def test_fail_close_maps_to_envoys_fail_closed():
     opts = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, fail_strategy="FAIL_CLOSE")
-    assert istio.wasm_filter_config(load_policy(PRODUCTION), opts)["config"]["failure_policy"] == "FAIL_CLOSED"
-    assert istio.wasm_plugin(parse_policy(HEADER_ONLY), opts)["spec"]["failStrategy"] == "FAIL_CLOSE"
+    assert istio.wasm_extension_config(istio.chart_parts(load_policy(PRODUCTION)), opts)["config"]["failure_policy"] == "FAIL_CLOSED"
+    assert istio.wasm_plugin(istio.chart_parts(parse_policy(TRUSTED)), opts)["spec"]["failStrategy"] == "FAIL_CLOSE"
 
 
 def test_ingress_virtual_service_carries_the_same_routes_on_the_gateways():
     policy = load_policy(PRODUCTION)
     opts = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, gateways=("infermesh/infermesh",), hosts=("llm.example.com",))
-    mesh, ingress = istio.virtual_services(policy, opts)
+    parts = istio.chart_parts(policy)
+    mesh, ingress = istio.virtual_services(parts, opts)
     assert mesh["spec"]["gateways"] == ["mesh"] and mesh["spec"]["hosts"] == ["infermesh.infermesh.svc.cluster.local"]
     assert ingress["spec"]["gateways"] == ["infermesh/infermesh"] and ingress["spec"]["hosts"] == ["llm.example.com"]
     assert ingress["spec"]["http"] == mesh["spec"]["http"]
-    assert len(istio.virtual_services(policy, OPTS)) == 1  # no gateways, no ingress object
+    assert len(istio.virtual_services(parts, OPTS)) == 1  # no gateways, no ingress object
 
 
 @pytest.mark.parametrize("change, field", [
@@ -193,25 +218,31 @@ def test_an_unpinned_or_schemeless_module_is_refused(opts, field):
         istio.resources(parse_policy(HEADER_ONLY), opts)
 
 
-def test_real_envoy_accepts_the_envoy_filters_wasm_config(tmp_path):
+@pytest.mark.parametrize("policy", [load_policy(PRODUCTION), load_policy(LOCAL_POLICY)], ids=["body-buffer", "native-rules"])
+def test_real_envoy_accepts_the_envoy_filters_patches(tmp_path, policy):
     """The EnvoyFilter's patch values are free-form to Istio's schema; Envoy itself checks them.
 
     As the Istio agent does, the remote code becomes a local file; the extension config is then
-    an HTTP filter of a listener, with the route buffer limit the HTTP_ROUTE patches merge.
+    an HTTP filter of a listener under its name, the NETWORK_FILTER patch merged into the HCM, and
+    each HTTP_ROUTE patch merged into a route of its own (the body buffer; the filter off by name).
     """
-    policy = load_policy(PRODUCTION)
-    patches = istio.envoy_filter(policy, OPTS)["spec"]["configPatches"]
+    patches = istio.envoy_filter(istio.chart_parts(policy), OPTS)["spec"]["configPatches"]
     ext = json.loads(json.dumps(patches[0]["patch"]["value"]))
     ext["typed_config"]["config"]["vm_config"]["code"] = {"local": {"filename": str(paths.filter_wasm())}}
-    route_patch = patches[2]["patch"]["value"]
+    route_patches = [p for p in patches if p["applyTo"] == "HTTP_ROUTE"]
+    hcm_patches = [p["patch"]["value"]["typed_config"] for p in patches if p["applyTo"] == "NETWORK_FILTER"]
+    assert route_patches and len(hcm_patches) == (policy.filter.trusted_principals == [])
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "t",
         "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": [
-            {"name": "r", "match": {"prefix": "/"}, "direct_response": {"status": 200}, **route_patch}]}]},
+            {"name": p["match"]["routeConfiguration"]["vhost"]["route"]["name"], "match": {"prefix": "/"},
+             "direct_response": {"status": 200}, **p["patch"]["value"]} for p in route_patches]}]},
         "http_filters": [ext, {"name": "envoy.filters.http.router",
                                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
     }
+    for merge in hcm_patches:
+        hcm |= {k: v for k, v in merge.items() if k != "@type"}
     cfg = {"static_resources": {"listeners": [{
         "name": "l", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
         "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]}]}}

@@ -5,7 +5,7 @@ mesh-config/meshconfig/istio.py (tests compare the two renderings of the same po
 
 {{/* The policy, as YAML: .Values.policy, or the bundled files/default-policy.yaml when that is
 empty (a default under .Values.policy would be merged with the user's policy, map by map). */}}
-{{- define "infermesh.rawPolicy" -}}
+{{- define "infermesh.policy" -}}
 {{- if .Values.policy -}}
 {{- toYaml .Values.policy -}}
 {{- else -}}
@@ -13,11 +13,24 @@ empty (a default under .Values.policy would be merged with the user's policy, ma
 {{- end -}}
 {{- end -}}
 
-{{/* Every template reads the policy through this, so whichever renders first reports a bad
-cross reference by its field (_validate.tpl) instead of failing somewhere inside. */}}
-{{- define "infermesh.policy" -}}
-{{- include "infermesh.validate" . -}}
-{{- include "infermesh.rawPolicy" . -}}
+{{/* What the chart takes from the policy model, as JSON: .Values.generated (written with the
+policy by `infermesh policy render POLICY helm-values`), or files/default-generated.json for the
+bundled policy. Nothing here decides: the model did (mesh-config/meshconfig/istio.py chart_parts).
+Refused, naming the fix, when missing or written for another policy (a policy edited after).
+Every template reads it through this, so whichever renders first reports it (_validate.tpl). */}}
+{{- define "infermesh.generated" -}}
+{{- $g := .Values.generated -}}
+{{- if not .Values.policy -}}
+{{- $g = .Files.Get "files/default-generated.json" | fromJson -}}
+{{- else if not $g -}}
+{{- fail "generated: missing: the chart takes routes, pools and the filter from the policy model; write policy and generated together with `infermesh policy render POLICY helm-values > values.json` and install with -f values.json (docs/kubernetes.md)" -}}
+{{- end -}}
+{{- $digest := .Values.policy | default (.Files.Get "files/default-policy.yaml" | fromYaml) | toJson | sha256sum -}}
+{{- if ne $g.policySha256 $digest -}}
+{{- fail (printf "generated.policySha256: written for another policy (%s, this policy is %s): regenerate with `infermesh policy render POLICY helm-values` after every policy change" ($g.policySha256 | default "none") $digest) -}}
+{{- end -}}
+{{- include "infermesh.validate" (dict "root" . "generated" $g) -}}
+{{- toJson $g -}}
 {{- end -}}
 
 {{- define "infermesh.fullname" -}}
@@ -55,83 +68,22 @@ infermesh.io/pool: {{ .pool }}
 {{- end }}
 {{- end -}}
 
-{{- define "infermesh.defaultPool" -}}
-{{- $p := include "infermesh.policy" . | fromYaml -}}
-{{- (get $p.classes $p.default_class).pool -}}
-{{- end -}}
-
-{{/* "true" when some rule matches on the body: the filter then has to be able to pause. */}}
-{{- define "infermesh.needsBody" -}}
-{{- $body := false -}}
-{{- range (include "infermesh.policy" . | fromYaml).rules -}}
-{{- if and .match (hasKey .match "body") -}}{{- $body = true -}}{{- end -}}
-{{- end -}}
-{{- $body -}}
-{{- end -}}
-
-{{/* The filter's JSON config: what Policy.filter_config() generates (mesh-config/meshconfig/policy.py). */}}
-{{- define "infermesh.filterConfig" -}}
-{{- $p := include "infermesh.policy" . | fromYaml -}}
-{{- $f := $p.filter | default dict -}}
-{{- $classes := dict -}}
-{{- range $name, $c := $p.classes -}}
-{{- $cls := dict "pool" $c.pool -}}
-{{- if $c.objective -}}{{- $_ := set $cls "objective" $c.objective -}}{{- end -}}
-{{- $_ := set $classes $name $cls -}}
-{{- end -}}
-{{- $cfg := dict "version" 1 "default_class" $p.default_class "classes" $classes "rules" ($p.rules | default list) -}}
-{{- $_ := set $cfg "body" (dict "max_bytes" (hasKey $f "body_max_bytes" | ternary $f.body_max_bytes 262144)) -}}
-{{- $_ := set $cfg "emit_objective_header" ($f.emit_objective_header | default false) -}}
-{{- if or $f.trusted_cidrs $f.trusted_principals -}}
-{{- $_ := set $cfg "trusted_sources" (dict "cidrs" ($f.trusted_cidrs | default list) "principals" ($f.trusted_principals | default list)) -}}
-{{- end -}}
-{{- toJson $cfg -}}
-{{- end -}}
-
 {{/* The settings of one pool's pods: poolDefaults overlaid with pools.<name>. */}}
 {{- define "infermesh.poolSettings" -}}
 {{- $over := get .root.Values.pools .pool | default dict -}}
 {{- toYaml (merge (deepCopy $over) (deepCopy .root.Values.poolDefaults)) -}}
 {{- end -}}
 
-{{/* The VirtualService routes: per pool on the pool header, then the default, each with its
-gRPC twin first (istio.py http_routes; envoy_bootstrap's routes in plain Envoy). Retries only
-what never reached a sidecar: a 503 / UNAVAILABLE is a pool shedding or draining on purpose. */}}
+{{/* The VirtualService's routes: the model's route parts, each with its pool's Service and port
+(istio.py http_routes). */}}
 {{- define "infermesh.httpRoutes" -}}
 {{- $root := . -}}
-{{- $targets := list -}}
-{{- range $pool, $_ := (include "infermesh.policy" . | fromYaml).pools -}}
-{{- $targets = append $targets (list (printf "class-pool-%s" $pool) $pool true) -}}
+{{- $out := list -}}
+{{- range $r := (include "infermesh.generated" . | fromJson).routes -}}
+{{- $host := include "infermesh.fqdn" (dict "root" $root "name" (include "infermesh.poolName" (dict "root" $root "pool" $r.pool))) -}}
+{{- $port := int (ternary $root.Values.ports.grpc $root.Values.ports.http $r.grpc) -}}
+{{- $dest := dict "destination" (dict "host" $host "port" (dict "number" $port)) -}}
+{{- $out = append $out (merge (dict "route" (list $dest)) $r.http) -}}
 {{- end -}}
-{{- $targets = append $targets (list "default-pool" (include "infermesh.defaultPool" .) false) -}}
-{{- range $t := $targets -}}
-{{- $name := index $t 0 -}}
-{{- $pool := index $t 1 -}}
-{{- $byHeader := index $t 2 -}}
-{{- $host := include "infermesh.fqdn" (dict "root" $root "name" (include "infermesh.poolName" (dict "root" $root "pool" $pool))) -}}
-{{- range $grpc := list true false }}
-- name: {{ $name }}{{ if $grpc }}-grpc{{ end }}
-  {{- if or $byHeader $grpc }}
-  match:
-    - headers:
-        {{- if $grpc }}
-        content-type:
-          prefix: application/grpc
-        {{- end }}
-        {{- if $byHeader }}
-        x-infermesh-pool:
-          exact: {{ $pool }}
-        {{- end }}
-  {{- end }}
-  route:
-    - destination:
-        host: {{ $host }}
-        port:
-          number: {{ int (ternary $root.Values.ports.grpc $root.Values.ports.http $grpc) }}
-  timeout: 0s
-  retries:
-    attempts: 2
-    retryOn: connect-failure,refused-stream,reset
-{{- end -}}
-{{- end -}}
+{{- toYaml $out -}}
 {{- end -}}
