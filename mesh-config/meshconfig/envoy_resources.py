@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from .policy import Match, Policy, Rule
+from .policy import ClassSpec, Match, Policy, Rule
 
 POOL_HEADER = "x-infermesh-pool"
 CLASS_HEADER = "x-infermesh-class"
@@ -57,20 +57,12 @@ class PoolEndpoint:
 
 
 @dataclass(frozen=True)
-class RouteClass:
-    """A class as the route table needs it."""
-
-    pool: str
-    objective: str | None = None
-
-
-@dataclass(frozen=True)
 class Routing:
     """The routing decisions of a policy, as objects: which pool serves each class, the ordered
     rules and the default class. Built from the typed `Policy`, or from a filter config for
     callers that hand Envoy a raw one (tests, the filter benchmark)."""
 
-    classes: Mapping[str, RouteClass]
+    classes: Mapping[str, ClassSpec]
     default_class: str
     rules: tuple[Rule, ...] = ()
     """The policy's rules, in order."""
@@ -81,7 +73,7 @@ class Routing:
     @classmethod
     def from_policy(cls, policy: Policy) -> "Routing":
         return cls(
-            classes={n: RouteClass(c.pool, c.objective) for n, c in policy.classes.items()},
+            classes=policy.classes,
             default_class=policy.default_class,
             rules=tuple(policy.rules),
             emit_objective_header=policy.filter.emit_objective_header,
@@ -91,7 +83,7 @@ class Routing:
     @classmethod
     def from_filter_config(cls, fc: dict) -> "Routing | None":
         """None for a config without a usable default class (a test feeding the filter raw text)."""
-        classes = {n: RouteClass(c["pool"], c.get("objective")) for n, c in (fc.get("classes") or {}).items()}
+        classes = {n: ClassSpec.model_validate(c) for n, c in (fc.get("classes") or {}).items()}
         if fc.get("default_class") not in classes:
             return None
         rules = tuple(Rule.model_validate(r) for r in fc.get("rules") or ())

@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from envoy.config.route.v3 import route_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from infermesh.meshconfig.ads_server import AdsServer
 from infermesh.meshconfig.policy import LEVEL_DOWN, LOCAL_POLICY, load_policy
+from infermesh.meshconfig.watchers import PolicyFileWatcher
+from infermesh.meshconfig.xds_server import ControlPlane
 from infermesh.meshconfig.xds_snapshot import (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, MeshTarget,
                                                build_snapshot, resource_name)
 
@@ -228,3 +231,29 @@ def test_two_streams_each_get_the_push():
             assert (await a.response()).version_info == (await b.response()).version_info == V2.version
         assert not server._streams, "a closed stream is forgotten"
     asyncio.run(main())
+
+
+def test_a_policy_edit_reaches_the_stream_as_a_new_version(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text(LOCAL_POLICY.read_text())
+    cp = ControlPlane(TARGET)
+    watch = PolicyFileWatcher(path, cp.set_policy)
+    assert watch.load() and cp.version == V1.version
+
+    def default_class_of(r) -> str:
+        """The class the route table's default route gives a request."""
+        rc = route_pb2.RouteConfiguration()
+        r.resources[0].Unpack(rc)
+        default = next(x for x in rc.virtual_hosts[0].routes if x.name == "default-pool")
+        return {h.header.key: h.header.value for h in default.request_headers_to_add}["x-infermesh-class"]
+
+    async def scenario(envoy):
+        envoy.send(ROUTE_TYPE, names=["infermesh"])
+        r1 = await envoy.response()
+        envoy.ack(r1, ["infermesh"])
+        assert default_class_of(r1) == "batch"
+        path.write_text(LOCAL_POLICY.read_text().replace("default_class: batch", "default_class: interactive"))
+        assert watch.poll()
+        r2 = await envoy.response()
+        assert r2.version_info == cp.version != V1.version and default_class_of(r2) == "interactive"
+    run(cp.ads, scenario)
