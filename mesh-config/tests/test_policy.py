@@ -102,3 +102,43 @@ def test_degraded_routes_spill_and_shed_at_the_edge():
                for r in routes[1:] if r["match"].get("headers", [{}])[0].get("name") == "x-infermesh-pool"}
     assert by_pool == {("interactive", 1): "pool_batch", ("batch", 1): "pool_batch",
                        ("interactive", 2): "pool_batch_grpc", ("batch", 2): "pool_batch_grpc"}
+
+
+PRODUCTION = POLICIES / "production.yaml"
+
+
+def test_rules_are_typed_and_written_to_the_filter_as_the_policy_says():
+    import yaml
+
+    p = load_policy(PRODUCTION)
+    raw = yaml.safe_load(PRODUCTION.read_text())["rules"]
+    assert [r.wire() for r in p.rules] == raw == p.filter_config()["rules"]
+    vip, tier, _, bulk, *_ = p.rules
+    (h,) = vip.match.headers
+    assert (h.name, h.value_match.kind, h.value_match.value, h.must_be_absent) == ("x-priority", "exact", "high", False)
+    assert vip.class_ == "premium" and not vip.match.needs_body and vip.match.path is None
+    assert tier.match.needs_body and tier.match.body.service_tier.exact == "priority"
+    assert bulk.match.body.max_tokens.min == 2048 and bulk.match.body.max_tokens.max is None
+    assert bulk.match.path.kind == "prefix" and bulk.match.methods == ["POST"]
+    assert p.needs_body and p.objective("batch") == "bulk"
+    assert not load_policy(LOCAL_POLICY).classes["batch"].objective and load_policy(LOCAL_POLICY).objective("batch") == "batch"
+
+
+@pytest.mark.parametrize("old, new, field, message", [
+    ("path: {prefix: /v1/chat/completions}, body", "path: {prefix: v1/chat/completions}, body", "rules.0.match.path",
+     "a path must start with `/`"),
+    ("max_tokens: {min: 1024}", "max_tokens: {min: 1024, max: 8}", "rules.0.match.body.max_tokens", "min 1024 is above max 8"),
+    ("max_tokens: {min: 1024}", "max_tokenz: {min: 1024}", "rules.0.match.body.max_tokenz", "Extra inputs are not permitted"),
+    ("- name: chat\n", "- name: default\n", "rules.1.name", "`default` is reserved"),
+    ("- name: chat\n", "- name: chat-bulk\n", "rules.1.name", "duplicate rule name `chat-bulk`"),
+    ("path: {exact: /infermesh.v1.Inference/Generate}", "headers: [{name: X-Tenant}]", "rules.2.match.headers.0.name",
+     "header names must be non-empty lower-case tokens"),
+    ("path: {exact: /infermesh.v1.Inference/Generate}", "path: {regex: '^/(?=infermesh)'}", "rules.2.match.path.regex",
+     "invalid regex: regex parse error: look-around, including look-ahead and look-behind, is not supported"),
+])
+def test_a_rule_the_filter_would_refuse_is_refused_by_line_and_field(old, new, field, message):
+    """As the filter words it (filter/src/config.rs); test_rule_contract.py compares the two on a corpus."""
+    bad = GOOD.replace(old, new, 1)
+    (line, got_field, msg), = problems(bad)
+    assert (got_field, msg) == (field, message)
+    assert line == GOOD[:GOOD.index(old)].count("\n") + 1, "the line of the changed text"

@@ -58,3 +58,15 @@ def test_unparsable_and_missing_files(tmp_path):
         load_config(write(tmp_path, "{nope"))
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "absent.json")
+
+
+def test_the_policy_and_the_sidecar_share_one_definition_of_each_setting():
+    from infermesh.meshconfig.policy import ClassSpec, ModelSpec, PoolSpec
+    from infermesh.settings import ClassSettings, ModelSettings, PoolSettings, ServingSettings
+    from infermesh.sidecar.config import ClassPolicy, ModelConfig, ServerConfig, SidecarConfig
+
+    assert issubclass(ModelConfig, ModelSettings) and issubclass(ModelSpec, ModelSettings)
+    assert ClassPolicy is ClassSettings and issubclass(ClassSpec, ClassSettings)
+    assert issubclass(ServerConfig, ServingSettings) and PoolSpec.model_fields["serving"].annotation is ServingSettings
+    assert issubclass(SidecarConfig, PoolSettings) and issubclass(PoolSpec, PoolSettings)
+    assert ModelConfig(name="m", path="/m").kv_cache_bytes == ModelSpec(name="m").kv_cache_bytes == 128 << 20

@@ -58,3 +58,42 @@ def test_config_and_policy_are_exclusive():
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["--config", "x.yaml", "--policy", "p.yaml"])
     assert e.value.code == 2
+
+
+def test_every_setting_of_the_policy_reaches_the_sidecar(tmp_path):
+    text = Path(LOCAL_POLICY).read_text()
+    text = text.replace("  batch: {pool: batch, priority: 10, sheddable: true}",
+                        "  batch: {pool: batch, priority: 10, sheddable: true, vllm_priority: 5}")
+    text = text.replace("      - {name: tiny-llama-small, aliases: [tiny-llama]}",
+                        "      - {name: tiny-llama-small, aliases: [tiny-llama], max_num_seqs: 8, dtype: bfloat16, kv_cache_bytes: 1048576}\n"
+                        "    serving: {max_concurrent_requests: 12, max_n: 2, default_max_tokens: 64, stream_coalesce_ms: 0}\n"
+                        "    monitor: {interval_s: 0.5}\n"
+                        "    standby: false")
+    p = tmp_path / "p.yaml"
+    p.write_text(text)
+    cfg = config("--policy", str(p), "--pool", "batch", "--models-dir", str(tmp_path))
+    m = cfg.models[0]
+    assert (m.max_num_seqs, m.dtype, m.kv_cache_bytes) == (8, "bfloat16", 1048576)
+    s = cfg.server
+    assert (s.max_concurrent_requests, s.max_n, s.default_max_tokens, s.stream_coalesce_ms) == (12, 2, 64, 0.0)
+    assert cfg.monitor.interval_s == 0.5 and cfg.standby is False
+    assert cfg.classes["batch"].vllm_priority == 5 and cfg.classes["interactive"].vllm_priority is None
+
+
+def test_a_setting_the_policy_leaves_out_has_the_sidecars_default(tmp_path):
+    """One default each: a pool config from the policy equals a config file that says nothing."""
+    from infermesh.sidecar.config import SidecarConfig
+
+    cfg = config("--policy", str(LOCAL_POLICY), "--pool", "batch", "--models-dir", str(tmp_path))
+    bare = SidecarConfig.model_validate({"pool": "batch", "models": [{"name": "tiny-llama-small", "path": cfg.models[0].path,
+                                                                      "aliases": ["tiny-llama"]}]})
+    assert cfg.models == bare.models
+    assert cfg.server == bare.server and cfg.monitor == bare.monitor and cfg.standby == bare.standby
+    assert cfg.classes["batch"] == bare.classes["batch"]
+
+
+def test_a_bad_setting_is_refused_by_the_policy_check(tmp_path):
+    bad = tmp_path / "p.yaml"
+    bad.write_text(Path(LOCAL_POLICY).read_text().replace("- {name: tiny-llama-small}", "- {name: tiny-llama-small, dtype: fp8}"))
+    with pytest.raises(ConfigError, match=r"p\.yaml:\d+: pools\.interactive\.models\.1\.dtype: Input should be 'auto'"):
+        config("--policy", str(bad), "--pool", "batch")
