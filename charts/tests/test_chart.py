@@ -13,6 +13,7 @@ and review the diff.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import re
@@ -51,7 +52,7 @@ GENERATED = Path(tempfile.mkdtemp(prefix="infermesh-chart-values-"))
 
 def policy_values(policy_file: Path) -> Path:
     """The values file `infermesh policy render POLICY helm-values` writes for a policy."""
-    out = GENERATED / f"{policy_file.stem}.json"
+    out = GENERATED / f"{policy_file.stem}-{hashlib.sha256(str(policy_file).encode()).hexdigest()[:8]}.json"
     if not out.exists():
         out.write_text(json.dumps(istio.helm_values(load_policy(policy_file), yaml.safe_load(policy_file.read_text())), indent=2))
     return out
@@ -490,3 +491,20 @@ def test_the_charts_routes_decide_every_request_as_the_plain_envoy_routes(helm, 
     else:
         assert native == 0  # trusted sources: only the filter may decide
 
+
+
+def test_the_policy_digest_is_the_one_helm_takes(helm, tmp_path):
+    """The chart compares `sha256sum (toJson .Values.policy)` with the digest the CLI wrote, so
+    Python must write the policy's JSON as Go does: integral floats without a fraction, small
+    floats without an exponent, <, > and & escaped, other characters as they are."""
+    text = PRODUCTION_POLICY.read_text()
+    for old, new in (("path: meta-llama/Meta-Llama-3-8B-Instruct", 'path: "meta-llama/Llama <8B> & Co, Zürich"'),
+                     ("recover_sustain_s: 30, actions: [degrade]", "recover_sustain_s: 30.0, actions: [degrade]"),
+                     ("sustain_s: 10,", "sustain_s: 0.00001,")):
+        assert old in text
+        text = text.replace(old, new, 1)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(text)
+    assert istio.go_json({"a": [1.0, 1e-05, 0.92, 1e-07, "<&>"]}) == '{"a":[1,0.00001,0.92,1e-7,"\\u003c\\u0026\\u003e"]}'
+    rendered = helm.template([policy_values(policy), PIN])
+    assert "meta-llama/Llama <8B> & Co, Zürich" in rendered.one("ConfigMap")["data"]["policy.yaml"]
