@@ -115,7 +115,10 @@ def _cmd_policy_check(args: argparse.Namespace) -> int:
     p = _load_policy_or_report(args.file)
     if p is None:
         return 1
-    print(f"{args.file}: OK ({len(p.classes)} classes, {len(p.rules)} rules, pools: {', '.join(p.pools)})")
+    # The rules were checked as the filter checks them; say which make it buffer the body.
+    body = [r.name for r in p.rules if r.match.needs_body]
+    reads = f", {len(body)} {'reads' if len(body) == 1 else 'read'} the body: {', '.join(body)}" if body else ", none reads the body"
+    print(f"{args.file}: OK ({len(p.classes)} classes, {len(p.rules)} rules{reads}; pools: {', '.join(p.pools)})")
     return 0
 
 
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     policy = sub.add_parser("policy", help="the mesh policy file")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)
-    check = policy_sub.add_parser("check", help="validate a policy; errors name the file, line and field")
+    check = policy_sub.add_parser("check", help="validate a policy (its rules as the filter checks them); errors name the file, line and field")
     check.add_argument("file")
     check.set_defaults(func=_cmd_policy_check)
     render = policy_sub.add_parser("render", help="print a config generated from a policy")
