@@ -154,9 +154,8 @@ class Breaker:
                 self._notify_level(f"escalating: {cfg.signal} {value:.3g} still above {cfg.trip_above:g}", value)
         elif self.state is State.HALF_OPEN:
             if value > cfg.trip_above and self._above_samples >= cfg.min_samples:
-                # Pressure is back: no sustain window this time, the trial failed. It takes
-                # min_samples readings in a row, though: one spike of a noisy signal (CPU load
-                # on a busy machine) re-opening at once made the pool flap (cpu drill).
+                # Pressure is back: no sustain window, the trial failed; but min_samples readings
+                # in a row, so one spike of a noisy signal does not re-open it (docs/breakers.md).
                 self.level = 1
                 self._level_since = now
                 self._move(State.OPEN, f"half-open trial failed: {cfg.signal} {value:.3g} above {cfg.trip_above:g}", value)
