@@ -75,6 +75,9 @@ class FakeAsyncLLM:
     def get_num_unfinished_requests(self) -> int:
         return len(self.unfinished)
 
+    def shutdown(self) -> None:
+        pass
+
 
 class FakeModelEngine(ModelEngine):
     """A ModelEngine on a FakeAsyncLLM: no vLLM import, no processes."""
