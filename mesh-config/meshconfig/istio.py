@@ -203,8 +203,10 @@ def _route_part(r: dict, pools: dict[str, tuple[str, bool]]) -> dict | None:
     set_headers = {h["header"]["key"]: h["header"]["value"] for h in r.get("request_headers_to_add", [])}
     if set_headers:
         http["headers"] = {"request": {"set": set_headers}}
-    # No route timeout: a streamed completion may run for minutes.
-    http["timeout"] = r["route"]["timeout"]
+    # No route timeout (a streamed completion may run for minutes) is Istio's default; istiod's
+    # validation refuses an explicit "0s" (durations must be >= 1ms), so the field stays out.
+    if r["route"]["timeout"] != "0s":
+        http["timeout"] = r["route"]["timeout"]
     http["retries"] = {"attempts": retry["num_retries"], "retryOn": retry["retry_on"]}
     return {"pool": pool, "grpc": grpc, "wasm": WASM_FILTER not in r.get("typed_per_filter_config", {}), "http": http}
 
@@ -258,9 +260,9 @@ def chart_parts(policy: Policy) -> dict:
 
         defaultPool   the default class's pool (the front Service selects its pods)
         pools         per pool: replicas, GPU, the model ladder's names, whether it has local models
-        filter        form (EnvoyFilter | WasmPlugin), the Wasm filter config without its code
-                      and failure policy, the HCM patch that strips client x-infermesh-* headers
-                      before routing (native rules only)
+        filter        form (EnvoyFilter | WasmPlugin), the Wasm filter config without the
+                      module's URL and digest and without a failure policy, the HCM patch that
+                      strips client x-infermesh-* headers before routing (native rules only)
         routes        the VirtualService's routes: {pool, grpc, wasm (the filter runs), http}
         routeSettings what every route gets in the EnvoyFilter form (the body buffer)
         wasmOff       the per-route config that turns the filter off
@@ -269,7 +271,7 @@ def chart_parts(policy: Policy) -> dict:
     m = envoy_form(policy)
     native = uses_native_rules(m)
     wasm = wasm_filter_config(policy.filter_config(), remote_code("", ""))
-    del wasm["config"]["failure_policy"], wasm["config"]["vm_config"]["code"]
+    del wasm["config"]["failure_policy"]
     return {
         "defaultPool": policy.default_pool,
         "pools": {name: {"replicas": p.replicas, "gpu": {"type": p.gpu.type, "count": p.gpu.count},
@@ -455,7 +457,8 @@ def wasm_extension_config(parts: dict, opts: IstioOptions) -> dict:
     the Istio agent fetches (HTTP or OCI), checks against the sha256 and hands Envoy as a file."""
     wasm = copy.deepcopy(parts["filter"]["wasm"])
     wasm["config"]["failure_policy"] = "FAIL_OPEN" if opts.fail_strategy == "FAIL_OPEN" else "FAIL_CLOSED"
-    wasm["config"]["vm_config"]["code"] = remote_code(opts.wasm_url, opts.wasm_sha256)
+    remote = wasm["config"]["vm_config"]["code"]["remote"]
+    remote["http_uri"]["uri"], remote["sha256"] = opts.wasm_url, opts.wasm_sha256
     return wasm
 
 
