@@ -9,7 +9,6 @@ from infermesh.sidecar.admin_api import build_admin_app
 from infermesh.sidecar.config import SidecarConfig
 from infermesh.sidecar.errors import Overloaded, Unavailable
 from infermesh.sidecar.events import BreakerChanged
-from infermesh.sidecar.faults import Faults
 from infermesh.sidecar.requests import GenerationRequest
 
 
@@ -117,15 +116,6 @@ def test_faults_can_be_disabled(make_pool):
     cfg = CFG.model_copy(update={"admin": CFG.admin.model_copy(update={"allow_faults": False})})
     c = TestClient(build_admin_app(make_pool(cfg)))
     assert c.put("/admin/faults/kv_cache", json={"value": 0.99}).status_code == 403
-
-
-def test_faults_expire(fake_clock):
-    clock = fake_clock
-    f = Faults(clock)
-    f.set("cpu_load", 1.0, 5)
-    assert f.get("cpu_load") == 1.0
-    clock.t = 5
-    assert f.get("cpu_load") is None and f.snapshot() == {}
 
 
 def test_admin_state_as_protobuf(pool):

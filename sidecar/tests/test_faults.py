@@ -1,5 +1,6 @@
-"""The stall fault (slow-sidecar drill) on a real process: stopped for its duty share of every
-period, and always running again at the end — on expiry, on stop, and on cancellation."""
+"""The drill faults: injected readings expire, and the stall fault (slow-sidecar drill) on a real
+process is stopped for its duty share of every period, and always running again at the end — on
+expiry, on stop, and on cancellation."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import psutil
 
-from infermesh.sidecar.faults import EngineStall
+from infermesh.sidecar.faults import EngineStall, Faults
 
 
 def _status_samples(pid: int, seconds: float) -> list[str]:
@@ -58,3 +59,34 @@ def test_stall_of_a_vanished_process_is_harmless():
         return stall.task.done() and stall.task.exception() is None
 
     assert asyncio.run(scenario())
+
+
+def test_injected_readings_expire(fake_clock):
+    f = Faults(fake_clock)
+    f.set("cpu_load", 1.0, 5)
+    assert f.get("cpu_load") == 1.0
+    fake_clock.t = 5
+    assert f.get("cpu_load") is None and f.snapshot() == {}
+
+
+def test_clearing_by_name_or_all_also_ends_the_stall(fake_clock):
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"])
+    try:
+        async def scenario():
+            f = Faults(fake_clock)
+            f.set("kv_cache", 0.99, 60)
+            f.start_stall([child.pid], duty=0.5, duration_s=60, period_s=1.0)
+            both = sorted(f.snapshot())
+            f.clear("stall")
+            after_stall = sorted(f.snapshot())
+            f.start_stall([child.pid], duty=0.5, duration_s=60, period_s=1.0)
+            f.clear()
+            await asyncio.sleep(0.05)
+            return both, after_stall, f.snapshot(), psutil.Process(child.pid).status()
+
+        both, after_stall, after_all, status = asyncio.run(scenario())
+        assert both == ["kv_cache", "stall"] and after_stall == ["kv_cache"] and after_all == {}
+        assert status != psutil.STATUS_STOPPED
+    finally:
+        child.kill()
+        child.wait()
