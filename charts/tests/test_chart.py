@@ -94,7 +94,7 @@ def istio_options(values: dict) -> istio.IstioOptions:
         http_port=values["ports"]["http"], grpc_port=values["ports"]["grpc"], fail_strategy=f["failStrategy"],
         filter_namespace=f["namespace"], filter_selector=f["selector"] or {"istio": "ingress"}, attach_to=f["attachTo"],
         gateways=(f"{NAMESPACE}/{RELEASE}",) if ingress["enabled"] else (), hosts=tuple(ingress["hosts"]),
-        image_pull_policy=f["imagePullPolicy"], image_pull_secret=f["imagePullSecret"],
+        image_pull_policy=f["imagePullPolicy"], image_pull_secret=f["imagePullSecret"], traffic_policy=values["trafficPolicy"],
     )
 
 

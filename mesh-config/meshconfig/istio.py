@@ -41,6 +41,7 @@ from .envoy_resources import (
     PoolEndpoint,
     Routing,
     cluster_name,
+    local_code,
     remote_code,
     retry_policy,
     routes,
@@ -95,6 +96,9 @@ class IstioOptions:
     image_pull_policy: Literal["IfNotPresent", "Always"] = "IfNotPresent"
     image_pull_secret: str = ""
     """Secret (in filter_namespace) with credentials for a private OCI registry."""
+    traffic_policy: dict = field(default_factory=dict)
+    """Overrides of the pools' DestinationRule trafficPolicy, merged key by key over the model's
+    (the chart's values `trafficPolicy`)."""
 
     def fqdn(self, service: str) -> str:
         return f"{service}.{self.namespace}.svc.{self.cluster_domain}"
@@ -399,6 +403,14 @@ def virtual_services(parts: dict, opts: IstioOptions) -> list[dict]:
     return out
 
 
+def _merged(base: dict, over: dict) -> dict:
+    """`over` merged into a copy of `base` map by map (Helm's mergeOverwrite)."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
 def destination_rules(parts: dict, opts: IstioOptions) -> list[dict]:
     out = []
     for pool in parts["pools"]:
@@ -407,7 +419,7 @@ def destination_rules(parts: dict, opts: IstioOptions) -> list[dict]:
             "apiVersion": "networking.istio.io/v1",
             "kind": "DestinationRule",
             "metadata": _meta(name, opts.namespace, opts, {"infermesh.io/pool": pool}),
-            "spec": {"host": opts.fqdn(name), "trafficPolicy": copy.deepcopy(parts["trafficPolicy"])},
+            "spec": {"host": opts.fqdn(name), "trafficPolicy": _merged(parts["trafficPolicy"], opts.traffic_policy)},
         })
     return out
 
@@ -459,6 +471,8 @@ def wasm_extension_config(parts: dict, opts: IstioOptions) -> dict:
     wasm["config"]["failure_policy"] = "FAIL_OPEN" if opts.fail_strategy == "FAIL_OPEN" else "FAIL_CLOSED"
     remote = wasm["config"]["vm_config"]["code"]["remote"]
     remote["http_uri"]["uri"], remote["sha256"] = opts.wasm_url, opts.wasm_sha256
+    if opts.wasm_url.startswith("file://"):  # on the proxy's disk: Envoy reads it (the agent would refuse it)
+        wasm["config"]["vm_config"]["code"] = local_code(opts.wasm_url.removeprefix("file://"))
     return wasm
 
 
