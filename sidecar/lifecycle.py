@@ -12,6 +12,7 @@ token counts and the request's outcome are recorded here, once, for both fronts.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -164,7 +165,9 @@ class RequestLifecycle:
                 self._record(error)
                 self.pool.admission.forget(self.admission.request_id)
                 if self._submitted and not self._vllm_done:
-                    await self.admission.engine.abort(self.admission.request_id)
+                    # Shielded: a stream cancelled by its server (Starlette cancels a vanished
+                    # client's stream again at every await) must still reach vLLM's abort.
+                    await asyncio.shield(asyncio.ensure_future(self.admission.engine.abort(self.admission.request_id)))
 
     def _record(self, error: BaseException | None) -> None:
         m = self.pool.metrics

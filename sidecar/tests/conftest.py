@@ -42,12 +42,14 @@ class FakeAsyncLLM:
     for every choice, then finishes with `finish`.
 
     `gate`, when set, holds every request after its first step until the test opens it;
-    `fail_after`, when set, raises inside generation after that many steps, as a dying engine would."""
+    `fail_after`, when set, raises inside generation after that many steps, as a dying engine would;
+    `abort_delay` makes abort() take that long (vLLM's abort talks to its engine-core process)."""
 
     def __init__(self, reply=("Hello", " world", "!"), finish: str = "stop"):
         self.reply, self.finish = list(reply), finish
         self.gate: asyncio.Event | None = None
         self.fail_after: int | None = None
+        self.abort_delay = 0.0
         self.unfinished: set[str] = set()
         self.aborted: list[str] = []
         self.priorities: list[int] = []
@@ -69,6 +71,8 @@ class FakeAsyncLLM:
                 await self.gate.wait()
 
     async def abort(self, request_id: str) -> None:
+        if self.abort_delay:
+            await asyncio.sleep(self.abort_delay)
         self.aborted.append(request_id)
         self.unfinished.discard(request_id)
 

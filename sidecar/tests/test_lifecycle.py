@@ -111,6 +111,33 @@ def test_cancellation_mid_stream_aborts_in_vllm_and_records_once(make_pool):
     assert not pool.window.outcomes, "a cancelled request says nothing about the engine's health"
 
 
+def test_the_abort_reaches_vllm_when_the_stream_is_cancelled_again_at_every_await(make_pool):
+    # Starlette (anyio) cancels a vanished client's stream again at every await inside its scope.
+    pool = make_pool(CFG)
+    llm = pool.primary.engine
+    llm.abort_delay = 0.01
+
+    async def run():
+        llm.gate = asyncio.Event()
+        first = asyncio.Event()
+
+        async def consume():
+            async with pool.lifecycle(req(), Front.HTTP, "chat") as life:
+                async for _ in life.events():
+                    first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        while not task.done():
+            task.cancel()
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+    assert pool.inflight == 0 and len(llm.aborted) == 1 and not llm.unfinished
+    assert requests_total(pool, "http", "chat", status="499") == 1
+
+
 def test_an_engine_failure_is_an_error_without_abort(make_pool):
     pool = make_pool(CFG)
     llm = pool.primary.engine
