@@ -30,7 +30,76 @@ import run_bench as rb  # noqa: E402
 
 from infermesh.launcher import free_ports  # noqa: E402
 
-VARIANTS = rb.VARIANTS
+PROFILE_WASM = rb.paths.REPO_ROOT / "filter" / "target" / "bench-profile" / "wasm32-wasi" / "release" / "infermesh_filter.wasm"
+
+
+def _routes(cfg: dict) -> list[dict]:
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return [r for vh in hcm["route_config"]["virtual_hosts"] for r in vh["routes"]]
+
+
+def _vhosts(cfg: dict) -> list[dict]:
+    return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"]
+
+
+def _wasm(cfg: dict) -> dict:
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm["http_filters"][0]["typed_config"]["config"]
+
+
+def _no_retry(cfg: dict) -> None:
+    for r in _routes(cfg):
+        r.get("route", {}).pop("retry_policy", None)
+
+
+def _no_buffer_limit(cfg: dict) -> None:
+    for vh in _vhosts(cfg):
+        vh.pop("per_request_buffer_limit_bytes", None)
+
+
+def _runtime(name: str):
+    def set_runtime(cfg: dict) -> None:
+        _wasm(cfg)["vm_config"]["runtime"] = f"envoy.wasm.runtime.{name}"
+    return set_runtime
+
+
+def _skip(part: str):
+    """The profiling module (feature bench-profile) told by its VM configuration to leave `part` out."""
+    def skip(cfg: dict) -> None:
+        vm = _wasm(cfg)["vm_config"]
+        vm["code"]["local"]["filename"] = str(PROFILE_WASM)
+        vm["configuration"] = {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": part}
+    return skip
+
+
+# Profile variants: a run_bench variant with one part changed or taken out, to attribute the
+# body path's cost part by part (docs/filter-benchmark.md, "Where the body path's time goes").
+SKIPS = {part: _skip(part) for part in ("none", "no-pause", "no-copy", "no-scan", "no-write")}
+PROFILE = {
+    "no-filter-no-retry": ("no-filter", _no_retry),
+    "body-no-retry": ("body", _no_retry),
+    "body-no-buffer-limit": ("body", _no_buffer_limit),
+    "body-profile-module": ("body", SKIPS["none"]),
+    **{f"body-{part}": ("body", SKIPS[part]) for part in ("no-pause", "no-copy", "no-scan", "no-write")},
+    "body-wamr": ("body", _runtime("wamr")),
+    "body-wasmtime": ("body", _runtime("wasmtime")),
+}
+VARIANTS = rb.VARIANTS + tuple(PROFILE)
+
+
+def build_profile() -> None:
+    print("instructions: building the profiling module (feature bench-profile)", file=sys.stderr, flush=True)
+    subprocess.run([str(rb.paths.REPO_ROOT / "scripts" / "build-filter.sh"), "--features", "bench-profile", "--target-dir", "target/bench-profile"],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def write_config(path: Path, name: str, port: int, admin: int, sink_port: int) -> None:
+    base, change = PROFILE.get(name, (name, None))
+    rb.write_variant_config(path, base, port, admin, sink_port, "envoy.wasm.runtime.v8")
+    if change:
+        cfg = json.loads(path.read_text())
+        change(cfg)
+        path.write_text(json.dumps(cfg))
 
 
 def envoy_binary() -> str:
@@ -44,7 +113,7 @@ def envoy_binary() -> str:
 def count(work: Path, name: str, sink_port: int, body: bytes, n: int, warmup: int) -> int:
     cfg_path = work / f"{name}.json"
     port, admin = free_ports(2)
-    rb.write_variant_config(cfg_path, name, port, admin, sink_port, "envoy.wasm.runtime.v8")
+    write_config(cfg_path, name, port, admin, sink_port)
     out = work / f"cg-{name}.out"
     proc = rb.Proc(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--smc-check=all-non-file", f"--callgrind-out-file={out}",
@@ -85,13 +154,20 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--sizes", default="2,32,200", help="chat body sizes in KB")
     ap.add_argument("--warmup", type=int, default=1000, help="requests before counting (V8 tiers the module up meanwhile)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="which variants")
+    ap.add_argument("--variants", default=",".join(rb.VARIANTS),
+                    help=f"which variants; besides run_bench's, the profile variants {', '.join(PROFILE)}")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if not shutil.which("valgrind"):
         print("instructions: valgrind is needed (apt-get install valgrind)", file=sys.stderr)
         return 2
-    rb.build_noop()
+    chosen = args.variants.split(",")
+    if unknown := set(chosen) - set(VARIANTS):
+        ap.error(f"--variants: unknown {', '.join(sorted(unknown))}")
+    if "wasm-noop" in chosen:
+        rb.build_noop()
+    if any(v in PROFILE and PROFILE[v][1] in SKIPS for v in chosen):
+        build_profile()
     sizes = [int(x) for x in args.sizes.split(",")]
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="infermesh-instr-") as tmp:
@@ -100,7 +176,7 @@ def main() -> int:
         try:
             for kb in sizes:
                 body = rb.chat_body(kb * 1024)
-                for name in [v for v in VARIANTS if v in args.variants.split(",")]:
+                for name in [v for v in VARIANTS if v in chosen]:
                     if kb == 200 and name.startswith("headers"):
                         continue
                     per = count(work, name, sink_port, body, args.requests, args.warmup) / args.requests

@@ -18,6 +18,34 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
 
+/// Parts of the body path a profiling build can leave out (feature `bench-profile`, never
+/// shipped): the VM configuration names one, so one module measures what each part costs
+/// (filter/bench/instructions.py, docs/filter-benchmark.md).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Part {
+    /// Pausing for the body at all: decide at once as if it were missing.
+    Pause = 1,
+    /// Copying the buffered body into the VM (decide on empty facts).
+    Copy,
+    /// Scanning the copied body (decide on empty facts).
+    Scan,
+    /// Writing the decision headers.
+    Write,
+}
+
+#[cfg(feature = "bench-profile")]
+static SKIPPED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+fn skipped(part: Part) -> bool {
+    #[cfg(feature = "bench-profile")]
+    return SKIPPED.load(std::sync::atomic::Ordering::Relaxed) == part as u8;
+    #[cfg(not(feature = "bench-profile"))]
+    return {
+        let _ = part;
+        false
+    };
+}
+
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
@@ -95,6 +123,20 @@ struct Root {
 impl Context for Root {}
 
 impl RootContext for Root {
+    #[cfg(feature = "bench-profile")]
+    fn on_vm_start(&mut self, _size: usize) -> bool {
+        let name = hostcalls::get_buffer(proxy_wasm::types::BufferType::VmConfiguration, 0, usize::MAX).ok().flatten();
+        let part = match name.as_deref() {
+            Some(b"no-pause") => Part::Pause as u8,
+            Some(b"no-copy") => Part::Copy as u8,
+            Some(b"no-scan") => Part::Scan as u8,
+            Some(b"no-write") => Part::Write as u8,
+            _ => 0,
+        };
+        SKIPPED.store(part, std::sync::atomic::Ordering::Relaxed);
+        true
+    }
+
     fn on_configure(&mut self, _size: usize) -> bool {
         let bytes = self.get_plugin_configuration().unwrap_or_default();
         match FilterConfig::parse(&bytes) {
@@ -129,6 +171,7 @@ impl RootContext for Root {
             metrics: Rc::clone(&self.metrics),
             headers: Headers { all: Vec::new() },
             waiting_for_body: false,
+            internal_in_request: false,
         }))
     }
 
@@ -166,6 +209,9 @@ struct Request {
     metrics: Rc<Metrics>,
     headers: Headers,
     waiting_for_body: bool,
+    /// Whether Envoy's header map may still hold an `x-infermesh-*` header (a trusted peer's
+    /// partial decision); when not, the decision's headers are added without a lookup each.
+    internal_in_request: bool,
 }
 
 impl Request {
@@ -199,11 +245,18 @@ impl Request {
     }
 
     fn write(&self, config: &FilterConfig, d: &Decision) {
-        self.set_http_request_header(HEADER_CLASS, Some(d.class));
-        self.set_http_request_header(HEADER_POOL, Some(d.pool));
-        self.set_http_request_header(HEADER_RULE, Some(d.rule));
-        if config.emit_objective_header {
-            self.set_http_request_header(HEADER_OBJECTIVE, Some(d.objective));
+        if skipped(Part::Write) {
+            self.metrics.decision(d);
+            return;
+        }
+        let headers = [(HEADER_CLASS, d.class), (HEADER_POOL, d.pool), (HEADER_RULE, d.rule), (HEADER_OBJECTIVE, d.objective)];
+        let n = if config.emit_objective_header { 4 } else { 3 };
+        for (name, value) in headers.iter().take(n) {
+            if self.internal_in_request {
+                self.set_http_request_header(name, Some(value));
+            } else {
+                self.add_http_request_header(name, value);
+            }
         }
         self.metrics.decision(d);
     }
@@ -218,6 +271,9 @@ impl Request {
     }
 
     fn decide_on_body(&mut self, config: &FilterConfig, bytes: &[u8]) {
+        if skipped(Part::Copy) || skipped(Part::Scan) {
+            return self.decide_now(config, Body::Parsed(&Default::default()));
+        }
         match parse_body(bytes) {
             Ok(facts) => self.decide_now(config, Body::Parsed(&facts)),
             Err(_) => {
@@ -273,6 +329,7 @@ impl HttpContext for Request {
                     self.metrics.trusted(self.headers.get(HEADER_CLASS).unwrap_or(""), self.headers.get(HEADER_POOL).unwrap_or(""));
                     return Action::Continue;
                 }
+                self.internal_in_request = true;
             } else {
                 self.strip_internal_headers();
                 bump(self.metrics.stripped);
@@ -295,6 +352,7 @@ impl HttpContext for Request {
                         _ => None,
                     }
                 };
+                let why = if skipped(Part::Pause) { why.or(Some(Fallback::Missing)) } else { why };
                 match why {
                     Some(why) => {
                         self.decide_now(&config, Body::Unavailable(why));
@@ -325,7 +383,7 @@ impl HttpContext for Request {
         if !end_of_stream {
             return Action::Pause; // keep buffering
         }
-        let bytes = self.get_http_request_body(0, body_size).unwrap_or_default();
+        let bytes = if skipped(Part::Copy) { Vec::new() } else { self.get_http_request_body(0, body_size).unwrap_or_default() };
         self.decide_on_body(&config, &bytes);
         Action::Continue
     }

@@ -7,6 +7,7 @@
 pub mod body;
 pub mod classify;
 pub mod config;
+mod json_scan;
 
 #[cfg(target_arch = "wasm32")]
 mod glue;
