@@ -3,7 +3,6 @@ routes in the same order, the same pool protection), the filter in the form its 
 errors that name the field. (charts/tests checks that the Helm chart renders exactly these
 objects, and that their routes decide a request matrix as the plain-Envoy routes do.)"""
 
-import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from infermesh import paths
 from infermesh.meshconfig import istio
 from infermesh.meshconfig.envoy_bootstrap import bootstrap
-from infermesh.meshconfig.envoy_resources import POOL_HEADER, REQUEST_BUFFER_LIMIT_BYTES, STRIP_CLIENT_HEADERS, route_config
+from infermesh.meshconfig.envoy_resources import REQUEST_BUFFER_LIMIT_BYTES, STRIP_CLIENT_HEADERS, route_config
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy, parse_policy
 
