@@ -117,3 +117,35 @@ def istio_outcome(http: list[dict], filter_off: set[str], pool_of_host: dict[str
             sets = tuple(sorted(r.get("headers", {}).get("request", {}).get("set", {}).items()))
             return Outcome(r["name"], r["name"] not in filter_off, pool_of_host[dest["host"]], dest["port"]["number"] == grpc_port, sets)
     return None
+
+
+# -- the filter ----------------------------------------------------------------------------------
+
+
+def filter_head_decision(policy, req: Request) -> tuple[str, str] | None:
+    """(class, rule) the filter gives `req` on its method, path and headers alone, as
+    filter/src/classify.rs judges them (methods ASCII case-insensitive, the path without its query,
+    rules in order, the default class last); None where a rule that reads the body is the first
+    whose other conditions hold (then the body decides), or a regex would have to be judged. A
+    reference for the tests, not a second classifier: the filter's own behaviour is held to it
+    with the real filter in e2e/test_native_rules_integration.py."""
+    path = re.split(r"[?#]", req.path, maxsplit=1)[0]
+
+    def text(kind: str, want: str, value: str | None) -> bool | None:
+        if value is None:
+            return False
+        return {"exact": value == want, "prefix": value.startswith(want)}.get(kind)
+
+    for rule in policy.rules:
+        m = rule.match
+        if m.methods and req.method.lower() not in {x.lower() for x in m.methods}:
+            continue
+        conds = [text(m.path.kind, m.path.value, path)] if m.path is not None else []
+        for h in m.headers:
+            value = req.header(h.name)
+            conds.append((value is None) == h.must_be_absent if h.value_match is None else text(h.value_match.kind, h.value_match.value, value))
+        if None in conds:
+            return None  # a regex: only the filter judges it
+        if all(conds):
+            return None if m.needs_body else (rule.class_, rule.name)
+    return policy.default_class, "default"

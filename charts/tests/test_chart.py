@@ -25,7 +25,7 @@ import pytest
 import yaml
 from helm_render import CHART, HERE, NAMESPACE, RELEASE, REPO
 from kube_schema import SchemaError
-from route_tables import Outcome, Request, envoy_outcome, istio_outcome
+from route_tables import Outcome, Request, envoy_outcome, filter_head_decision, istio_outcome
 
 from infermesh.meshconfig import chart_values, istio
 from infermesh.meshconfig.envoy_bootstrap import bootstrap
@@ -440,10 +440,12 @@ def test_the_charts_routes_decide_every_request_as_the_plain_envoy_routes(helm, 
     """The chart's VirtualService and EnvoyFilter, read as istiod turns them into Envoy routes,
     against the plain-Envoy route table the local mesh serves for the same policy: for every
     request of a matrix the same pool and front, the same routing headers set by the route, and
-    the Wasm filter on exactly where it runs there. Where it runs it decides with the same config
-    and sets the pool header, and both tables then send the request to that pool. (That the
-    plain-Envoy native routes decide as the filter itself: e2e/test_native_rules_integration.py
-    with the real Envoy and filter; the chart through real istiod: e2e/test_istiod_e2e.py.)"""
+    the Wasm filter on exactly where it runs there. Where a route decides, it gives the class and
+    rule the filter gives on the headers alone (route_tables.filter_head_decision); where the
+    filter runs it decides with the same config and sets the pool header, and both tables then
+    send the request to that pool. (The plain-Envoy native routes against the real Envoy and
+    filter: e2e/test_native_rules_integration.py; the chart through real istiod:
+    e2e/test_istiod_e2e.py.)"""
     files = SCENARIOS[name]
     values, rendered = merged_values(files), helm.template(files)
     policy = scenario_policy(values)
@@ -479,7 +481,16 @@ def test_the_charts_routes_decide_every_request_as_the_plain_envoy_routes(helm, 
 
     native = 0
     for req in _request_matrix():
-        if both(req).filter_runs:
+        outcome = both(req)
+        if strips:  # native rules: a route decides exactly where the filter would on the headers alone
+            head = filter_head_decision(policy, req.stripped())
+            assert outcome.filter_runs == (head is None), (req, outcome, head)
+            if head is not None:
+                sets = dict(outcome.sets)
+                cls, rule = head
+                assert (sets["x-infermesh-class"], sets["x-infermesh-rule"], sets["x-infermesh-pool"]) == (cls, rule, policy.classes[cls].pool)
+                assert outcome.pool == policy.classes[cls].pool
+        if outcome.filter_runs:
             for pool in policy.pools:  # the filter's decision, then the route chosen again
                 assert both(req.stripped().with_header("x-infermesh-pool", pool), arriving=False).pool == pool
         else:
