@@ -13,6 +13,7 @@ and review the diff.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -143,14 +144,31 @@ def test_the_chart_renders_what_the_istio_generator_produces(scenario):
     JSON config byte for byte: both carry the model's string)."""
     _, _, values, rendered = scenario
     policy = scenario_policy(values)
-    expected = [_comparable(o) for o in istio.resources(policy, istio_options(values))]
-    kinds = {o["kind"] for o in expected}
-    front_and_pools = {o["metadata"]["name"] for o in expected if o["kind"] == "Service"}
-    got = [_comparable(o) for o in rendered.objects if o["kind"] in kinds and (o["kind"] != "Service" or o["metadata"]["name"] in front_and_pools)]
-    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
-    assert sorted(got, key=key) == sorted(expected, key=key)
+    _assert_chart_objects_equal_istio_py(rendered.objects, istio.resources(policy, istio_options(values)))
     # The pools are the policy's, nothing more or less.
     assert {d["metadata"]["labels"]["infermesh.io/pool"] for d in rendered.of("Deployment")} == set(policy.pools)
+
+
+def _assert_chart_objects_equal_istio_py(objects: list[dict], expected: list[dict]) -> None:
+    expected = [_comparable(o) for o in expected]
+    kinds = {o["kind"] for o in expected}
+    front_and_pools = {o["metadata"]["name"] for o in expected if o["kind"] == "Service"}
+    got = [_comparable(o) for o in objects if o["kind"] in kinds and (o["kind"] != "Service" or o["metadata"]["name"] in front_and_pools)]
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    assert sorted(got, key=key) == sorted(expected, key=key)
+
+
+def test_the_same_generated_values_serve_any_release_namespace_and_ports(helm):
+    """The model's parts hold no release, namespace or port: rendered as another release, in
+    another namespace, on other ports, the chart still equals istio.py for those options."""
+    files = SCENARIOS["native-header-only"]
+    r = helm.run("template", "llm", str(CHART), "--namespace", "prod", "--kube-version", helm.kube_version,
+                 *[a for f in files for a in ("--values", str(f))], "--set", "ports.http=9000", "--set", "ports.grpc=9001")
+    assert r.returncode == 0, r.stderr
+    values = merged_values(files)
+    values["ports"] |= {"http": 9000, "grpc": 9001}
+    opts = dataclasses.replace(istio_options(values), name="llm-infermesh", namespace="prod", gateways=("prod/llm-infermesh",))
+    _assert_chart_objects_equal_istio_py([o for o in yaml.safe_load_all(r.stdout) if o], istio.resources(scenario_policy(values), opts))
 
 
 def test_the_configmap_carries_the_policy_itself(scenario):
