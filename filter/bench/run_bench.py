@@ -152,11 +152,14 @@ def start_sink(work: Path) -> tuple[Proc, int]:
 VARIANTS = ("no-filter", "wasm-noop", "headers-only", "headers-wasm", "body")
 
 
-def write_variant_config(path: Path, name: str, port: int, admin: int, sink_port: int, runtime: str) -> None:
-    """The Envoy config of one variant (instructions.py counts the same configs)."""
+def write_variant_config(path: Path, name: str, port: int, admin: int, sink_port: int, runtime: str,
+                         modules: dict[str, Path] | None = None) -> None:
+    """The Envoy config of one variant (instructions.py counts the same configs). `VARIANT@LABEL`
+    is the variant with the module `modules[LABEL]` instead of the built one."""
+    name, _, label = name.partition("@")
     cfg = {"no-filter": HEADER_RULES, "paired-base": HEADER_RULES, "wasm-noop": HEADER_RULES, "headers-only": HEADER_RULES,
            "headers-wasm": HEADER_RULES, "body": BODY_RULES}[name]
-    wasm = NOOP_WASM if name == "wasm-noop" else paths.filter_wasm()
+    wasm = (modules or {})[label] if label else NOOP_WASM if name == "wasm-noop" else paths.filter_wasm()
     m = MeshListener("127.0.0.1", port, admin, wasm, cfg,
                      [PoolEndpoint("interactive", "127.0.0.1", sink_port), PoolEndpoint("batch", "127.0.0.1", sink_port)], "batch",
                      wasm_runtime=runtime,
@@ -169,10 +172,21 @@ def write_variant_config(path: Path, name: str, port: int, admin: int, sink_port
     path.write_text(json.dumps(b))
 
 
-def start_variant(work: Path, name: str, sink_port: int, runtime: str) -> tuple[Proc, int]:
+def parse_modules(spec: str) -> dict[str, Path]:
+    """`LABEL=PATH,...` (the --modules option of both benchmarks)."""
+    modules = {}
+    for item in filter(None, spec.split(",")):
+        label, _, path = item.partition("=")
+        if not label or not Path(path).is_file():
+            raise SystemExit(f"--modules: {item!r} is not LABEL=PATH of a module file")
+        modules[label] = Path(path)
+    return modules
+
+
+def start_variant(work: Path, name: str, sink_port: int, runtime: str, modules: dict[str, Path] | None = None) -> tuple[Proc, int]:
     port, admin = free_ports(2)
     path = work / f"{name}.json"
-    write_variant_config(path, name, port, admin, sink_port, runtime)
+    write_variant_config(path, name, port, admin, sink_port, runtime, modules)
     proc = Proc(PIN_TESTED + [str(paths.envoy_binary()), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "error"], work / f"{name}.log")
     wait_ready(admin, proc)
     return proc, port
@@ -254,14 +268,18 @@ def main() -> int:
     ap.add_argument("--paired", type=int, default=2000, help="requests per side of the paired latency run (0: skip)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="which variants (no-filter, the reference, always runs): more rounds of fewer variants resolve one ratio better")
+    ap.add_argument("--modules", default="",
+                    help="LABEL=PATH,...: also run the body variant with each of these modules (variant body@LABEL), "
+                         "e.g. the module before a change, in the same interleaved rounds")
     args = ap.parse_args()
+    modules = parse_modules(args.modules)
     chosen = set(args.variants.split(",")) | {"no-filter"}
     if unknown := chosen - set(VARIANTS):
         ap.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANTS)})")
     veg = vegeta()
     sizes = [int(x) for x in args.sizes.split(",")]
-    cases = [(n, kb) for kb in sizes for n in VARIANTS
-             if n in chosen and not (kb == 200 and n.startswith("headers"))]
+    cases = [(n, kb) for kb in sizes for n in VARIANTS + tuple(f"body@{m}" for m in modules)
+             if (n in chosen or "@" in n) and not (kb == 200 and n.startswith("headers"))]
     if "wasm-noop" in chosen:
         build_noop()
     bodies = {kb: chat_body(kb * 1024) for kb in {kb for _, kb in cases}}
@@ -274,7 +292,7 @@ def main() -> int:
         try:
             for rnd in range(args.rounds):
                 for name, kb in cases:
-                    proc, port = start_variant(work, name, sink_port, args.runtime)
+                    proc, port = start_variant(work, name, sink_port, args.runtime, modules)
                     try:
                         attack(veg, work, port, bodies[kb], 1, None)  # warm-up: VM, connections
                         sat = attack(veg, work, port, bodies[kb], args.seconds, None, proc.p.pid)
