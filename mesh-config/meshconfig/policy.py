@@ -93,7 +93,8 @@ def _token_error(value: str) -> str | None:
 
 class _Rule(Strict):
     # Field order is the wire order: `wire()` dumps the fields that were set, in this order.
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, use_attribute_docstrings=True)
+    # (Each model_config below is merged with Strict's.)
+    model_config = ConfigDict(populate_by_name=True)
 
 
 _VALUE_KEYS = ("exact", "prefix", "regex")
@@ -107,7 +108,7 @@ def _one_string(keys) -> list[dict]:
 class StringMatch(_Rule):
     """Exactly one of `exact`, `prefix`, `regex` (Rust `regex` syntax, compiled size ≤ 1 MiB)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, json_schema_extra={"oneOf": _one_string(_VALUE_KEYS)})
+    model_config = ConfigDict(json_schema_extra={"oneOf": _one_string(_VALUE_KEYS)})
 
     exact: StrictStr | None = None
     prefix: StrictStr | None = None
@@ -137,8 +138,7 @@ def _check_string_match(exact: str | None, prefix: str | None, regex: str | None
 class Range(_Rule):
     """An inclusive numeric range; either end may be open, not both."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
-                              json_schema_extra={"anyOf": [{"required": [k], "properties": {k: {"type": "integer"}}} for k in ("min", "max")]})
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": [k], "properties": {k: {"type": "integer"}}} for k in ("min", "max")]})
 
     min: Annotated[StrictInt, Field(ge=0, le=U64_MAX)] | None = None
     max: Annotated[StrictInt, Field(ge=0, le=U64_MAX)] | None = None
@@ -164,7 +164,7 @@ _HEADER_SCHEMA = {
 class HeaderMatch(_Rule):
     """A header (gRPC metadata too) by lower-case name: a value match, present, or `present: false`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, json_schema_extra=_HEADER_SCHEMA)
+    model_config = ConfigDict(json_schema_extra=_HEADER_SCHEMA)
 
     name: Annotated[StrictStr, Field(json_schema_extra={"pattern": "^[!-@\\[-~]+$", "description": "lower case"})]
     exact: StrictStr | None = None
@@ -309,12 +309,14 @@ class PoolSpec(PoolSettings):
 
 def _cidr_error(s: str) -> str | None:
     """config.rs Cidr::parse: an IP address, optionally /PREFIX (no zone ids, no spaces)."""
-    addr, _, prefix = s.partition("/")
+    addr, slash, prefix = s.partition("/")
     try:
+        # Python accepts IPv6 zone ids and surrounding spaces; Rust's IpAddr parser does not.
         ip = ipaddress.ip_address(addr) if "%" not in addr and addr.strip() == addr else None
     except ValueError:
         ip = None
-    ok = ip is not None and (not _ or (re.fullmatch(r"\+?[0-9]+", prefix) is not None and int(prefix) <= ip.max_prefixlen))
+    # The prefix is a u8 as Rust parses it: digits with an optional `+`.
+    ok = ip is not None and (not slash or (re.fullmatch(r"\+?[0-9]+", prefix) is not None and int(prefix) <= ip.max_prefixlen))
     return None if ok else f"`{s}` is not an IP network"
 
 
