@@ -10,7 +10,13 @@ covers every Envoy thread.
     python filter/bench/instructions.py [--requests 400] [--sizes 2,32,200] [--json out.json]
 
 Reported per variant: instructions per request and the ratio to no-filter (a CPU-bound proxy's
-throughput ratio is about the inverse of it).
+throughput ratio is about the inverse of it). The count weighs work unevenly: a memcpy counts
+about one instruction a byte under valgrind (`rep movsb`), a tight scan loop retires several a
+cycle, a call into the VM few; docs/filter-benchmark.md reads the numbers with that in mind.
+
+The profile variants (`--variants body-no-scan,...`) change one part of the body variant's
+config or, with the module built with feature bench-profile, leave one part of the filter's body
+path out; `--modules LABEL=PATH` counts the body variant with another module (body@LABEL).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -30,7 +37,9 @@ import run_bench as rb  # noqa: E402
 
 from infermesh.launcher import free_ports  # noqa: E402
 
-PROFILE_WASM = rb.paths.REPO_ROOT / "filter" / "target" / "bench-profile" / "wasm32-wasi" / "release" / "infermesh_filter.wasm"
+# INFERMESH_PROFILE_WASM: a profiling module built before (e.g. from an earlier commit), not rebuilt.
+PROFILE_WASM = Path(os.environ.get("INFERMESH_PROFILE_WASM") or
+                    rb.paths.REPO_ROOT / "filter" / "target" / "bench-profile" / "wasm32-wasi" / "release" / "infermesh_filter.wasm")
 
 
 def _routes(cfg: dict) -> list[dict]:
@@ -168,7 +177,7 @@ def main() -> int:
         ap.error(f"--variants: unknown {', '.join(sorted(unknown))}")
     if "wasm-noop" in chosen:
         rb.build_noop()
-    if any(v in PROFILE and PROFILE[v][1] in SKIPS for v in chosen):
+    if any(v in PROFILE and PROFILE[v][1] in SKIPS.values() for v in chosen) and not os.environ.get("INFERMESH_PROFILE_WASM"):
         build_profile()
     sizes = [int(x) for x in args.sizes.split(",")]
     results: dict[str, dict] = {}

@@ -332,7 +332,7 @@ def main() -> int:
         d99 = med(key, "fixed", "p99_us") - med(base, "fixed", "p99_us")
         dcpu = med(key, "saturation", "envoy_cpu_us_per_request") - med(base, "saturation", "envoy_cpu_us_per_request")
         # Paired runs compare against the long-running no-filter Envoy; a freshly started one
-        # shows an offset of its own (~20 µs here), so subtract no-filter's paired result.
+        # shows an offset of its own (docs/filter-benchmark.md), so subtract no-filter's paired result.
         p50 = paired_med(key, "p50_added_us") - paired_med(base, "p50_added_us")
         p99 = paired_med(key, "p99_added_us") - paired_med(base, "p99_added_us")
         per_round = round_ratios(key, base)

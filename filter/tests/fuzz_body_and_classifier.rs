@@ -10,7 +10,9 @@
 //!   (tests/common/serde_scanner.rs);
 //! - the classifier never panics, asks for the body only before it has it, and always yields a
 //!   class/pool pair that the config defines.
-//! A failure prints the seed and the input.
+//!
+//! A failure prints the seed and the input. Natively the strings are scanned with SSE2, the twin
+//! of the module's Wasm SIMD loop (src/json_scan.rs).
 
 use infermesh_filter::body::{parse_body, BodyFacts, MAX_KEPT_STRING};
 use infermesh_filter::classify::{classify, Body, Fallback, Outcome, RequestView};
@@ -386,7 +388,7 @@ fn deep_nesting_agrees_with_the_serde_scanner() {
                 open.push('[');
                 close.push(']');
             } else {
-                open.push_str(*r.pick(&["{\"a\":", "{\"text\":", "{\"content\":", "{\"x\":1,\"b\":"]));
+                open.push_str(r.pick::<&str>(&["{\"a\":", "{\"text\":", "{\"content\":", "{\"x\":1,\"b\":"]));
                 close.push('}');
             }
         }
@@ -427,7 +429,7 @@ fn token_soup_agrees_with_the_serde_scanner() {
     while Instant::now() < end {
         let mut body = String::from(if r.below(8) == 0 { "" } else { "{" });
         for _ in 0..r.below(24) {
-            body.push_str(*r.pick(&tokens));
+            body.push_str(r.pick::<&str>(&tokens));
         }
         if r.below(2) == 0 {
             body.push('}');
