@@ -160,13 +160,16 @@ def _assert_chart_objects_equal_istio_py(objects: list[dict], expected: list[dic
 
 def test_the_same_generated_values_serve_any_release_namespace_and_ports(helm):
     """The model's parts hold no release, namespace or port: rendered as another release, in
-    another namespace, on other ports, the chart still equals istio.py for those options."""
+    another namespace, on other ports (and a module on the proxies' disk, file://), the chart
+    still equals istio.py for those options."""
     files = SCENARIOS["native-header-only"]
     r = helm.run("template", "llm", str(CHART), "--namespace", "prod", "--kube-version", helm.kube_version,
-                 *[a for f in files for a in ("--values", str(f))], "--set", "ports.http=9000", "--set", "ports.grpc=9001")
+                 *[a for f in files for a in ("--values", str(f))], "--set", "ports.http=9000", "--set", "ports.grpc=9001",
+                 "--set", "filter.url=file:///var/lib/infermesh/filter.wasm")
     assert r.returncode == 0, r.stderr
     values = merged_values(files)
     values["ports"] |= {"http": 9000, "grpc": 9001}
+    values["filter"]["url"] = "file:///var/lib/infermesh/filter.wasm"
     opts = dataclasses.replace(istio_options(values), name="llm-infermesh", namespace="prod", gateways=("prod/llm-infermesh",))
     _assert_chart_objects_equal_istio_py([o for o in yaml.safe_load_all(r.stdout) if o], istio.resources(scenario_policy(values), opts))
 
