@@ -100,6 +100,12 @@ def _cmd_drill(args: argparse.Namespace) -> int:
     return run_cli(names, Path(args.policy) if args.policy else None, opts, args.json, args.plot)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_cli
+
+    return run_cli(args)
+
+
 def _load_policy_or_report(path: str):
     """The policy, or None after printing its problems (file:line: field: message)."""
     from infermesh.meshconfig.policy import PolicyError, load_policy
@@ -199,6 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     drill.add_argument("--rate-interactive", type=float, default=1.0, help="streaming chats per second (default 1: a 2-core CPU machine)")
     drill.add_argument("--rate-batch", type=float, default=0.5, help="batch completions per second (default 0.5)")
     drill.set_defaults(func=_cmd_drill)
+
+    bench = sub.add_parser("bench", help="vllm serve vs plain Envoy vs infermesh, side by side on this machine (docs/bench.md)",
+                           description="Start the three set-ups on the same models and cores, sweep the load "
+                                       "(batch flood, overload) in interleaved rounds, and report ratios, goodput and outcomes.")
+    bench.add_argument("--quick", action="store_true", help="2 rounds, 2 levels per scenario, short windows (a few minutes)")
+    bench.add_argument("--scenario", choices=["batch-flood", "overload", "all"], default="all")
+    bench.add_argument("--rounds", type=int, help="rounds (default 3, --quick 2)")
+    bench.add_argument("--policy", help="mesh policy (default: mesh-config/policies/local.yaml); the bench works on a copy")
+    bench.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw TTFT p99 vs batch load and goodput vs chat load")
+    bench.set_defaults(func=_cmd_bench)
 
     policy = sub.add_parser("policy", help="the mesh policy file")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)

@@ -126,12 +126,15 @@ class Drill:
         except (ValueError, KeyError, TypeError):
             return None
 
+    def chat_body(self) -> dict:
+        """The body of one interactive request (a load with other prompts overrides it)."""
+        return {"model": self.model, "stream": True, "max_tokens": 16, "temperature": 0, "messages": [CHAT]}
+
     async def interactive(self) -> None:
         r = Request("interactive", self.now())
         self.requests.append(r)
-        body = {"model": self.model, "stream": True, "max_tokens": 16, "temperature": 0, "messages": [CHAT]}
         try:
-            async with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            async with self.client.stream("POST", "/v1/chat/completions", json=self.chat_body()) as resp:
                 self._record(r, resp)
                 if resp.status_code != 200:
                     r.error_code = self._error_code(await resp.aread())

@@ -45,6 +45,8 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     argv: list[str]
+    env: dict[str, str] | None = None
+    """Variables added to the launcher's environment (a restart keeps them)."""
 
     def tail(self, n: int = 20) -> str:
         try:
@@ -123,8 +125,13 @@ def _http_ok(url: str, timeout: float = 1.0) -> bool:
 
 
 class LocalMesh:
-    def __init__(self, plan: LocalMeshPlan, run_dir: Path, models_dir: Path | None = None, wasm: Path | None = None):
+    def __init__(self, plan: LocalMeshPlan, run_dir: Path, models_dir: Path | None = None, wasm: Path | None = None,
+                 cpu_cores: dict[str, str] | None = None):
         self.plan = plan
+        # Pool -> the CPU ids its vLLM engines bind their OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND:
+        # `0`, `1`, `0-1`), so pools sharing one machine stop competing for cores as separate GPU pools
+        # would; a pool left out keeps vLLM's own binding.
+        self.cpu_cores = cpu_cores or {}
         self.run_dir = run_dir
         self.models_dir = models_dir or paths.models_dir()
         self.wasm = wasm or paths.filter_wasm()
@@ -134,12 +141,13 @@ class LocalMesh:
 
     # -- start ------------------------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str]) -> Child:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         log_path = self.run_dir / f"{name}.log"
         log = open(log_path, "ab")  # a restarted process goes on in the same log
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                env=os.environ | env if env else None)
         log.close()
-        child = Child(name, proc, log_path, argv)
+        child = Child(name, proc, log_path, argv, env)
         self.children = [c for c in self.children if c.name != name] + [child]
         self.started_at[name] = time.monotonic()
         return child
@@ -162,7 +170,7 @@ class LocalMesh:
         c = self.child(name)
         if c.proc.poll() is None:
             raise LaunchError(f"{name} is still running")
-        return self._spawn(name, c.argv)
+        return self._spawn(name, c.argv, c.env)
 
     def sidecar_url(self, pool: str) -> str:
         p = next(p for p in self.plan.pools if p.name == pool)
@@ -192,7 +200,9 @@ class LocalMesh:
         for p in self.plan.pools:
             cfg_path = self.run_dir / f"sidecar-{p.name}.json"
             cfg_path.write_text(json.dumps(self.plan.sidecar_config(p, self.models_dir), indent=2))
-            self._spawn(f"sidecar-{p.name}", [sys.executable, "-m", "infermesh.sidecar.server", "--config", str(cfg_path)])
+            cores = self.cpu_cores.get(p.name)
+            self._spawn(f"sidecar-{p.name}", [sys.executable, "-m", "infermesh.sidecar.server", "--config", str(cfg_path)],
+                        {"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else None)
             ladder = " > ".join(self.plan.ladder(p.name))
             progress(f"sidecar {p.name}: starting ({ladder}; http :{p.http_port}, grpc :{p.grpc_port}, admin 127.0.0.1:{p.admin_port})")
         # The control plane serves Envoy its listener and clusters from the policy file (ADS)

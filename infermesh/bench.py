@@ -1,0 +1,436 @@
+"""`infermesh bench`: what infermesh buys a waiting person, side by side with what users run today.
+
+    infermesh bench [--quick] [--scenario batch-flood|overload|all] [--json FILE] [--plot FILE.png]
+
+Three set-ups on the same models, engine settings and machine, all started once and kept up
+(an idle vLLM engine blocks on its input queue, so the set-ups not measured cost nothing):
+
+- `vllm-serve`: vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`) with the
+  interactive pool's primary model, taking all traffic (what a user has without a mesh);
+- `envoy-rr`: a plain Envoy (no filter, no classes) spreading all traffic round-robin over the
+  pools' sidecars (a mesh without infermesh);
+- `infermesh`: the local mesh (filter, classes, pools, priority, breakers, shedding).
+
+`envoy-rr` and `infermesh` share the pools' sidecars, and each pool's engines are bound to their own
+cores (`LocalMesh(cpu_cores=…)`: interactive on CPU 0, batch on CPU 1), as separate GPU pools would
+be; `vllm-serve` binds to both cores (the whole machine, as a user would run it).
+
+Scenarios (each a sweep of load levels, `bench_report.py` turns the windows into figures):
+
+- `batch-flood`: a steady stream of streaming chats, driven and measured by vLLM's own serving
+  benchmark client (`vllm.benchmarks.serve`, TTFT/ITL percentiles), while batch completions
+  (the drills' client) rise from none to `flood_multiples` × what the batch pool serves without
+  queueing (measured first: one completion at a time).
+- `overload`: chats alone (the drills' client, with long and distinct prompts so prefix caching
+  shares nothing) rise past what the interactive pool's KV cache holds; the pools' KV readings
+  during each window are recorded, as proof of real pressure.
+
+Rounds alternate the set-ups (a rotated order every round) for every level, so each set-up sees
+the machine as the others did. The KV cache of every model is set to `kv_cache_bytes` (the same
+for all set-ups) so that pressure is reachable on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import yaml
+
+from .drill import Drill, DrillOptions
+from .drill_report import classify
+
+SETUPS = ("vllm-serve", "envoy-rr", "infermesh")
+SCENARIOS = ("batch-flood", "overload")
+CPU_CORES = {"interactive": "0", "batch": "1"}
+"""Each pool's engines on its own core (VLLM_CPU_OMP_THREADS_BIND); vllm-serve gets both."""
+ALL_CORES = "0-1"
+
+
+@dataclass
+class BenchOptions:
+    rounds: int = 3
+    """Rounds; each runs every level of every scenario once per set-up."""
+    window_s: float = 12.0
+    """Length of one measured window (arrivals stop then; requests in flight finish)."""
+    interactive_rate: float = 1.0
+    """Batch flood: streaming chats per second (steady, open loop)."""
+    flood_multiples: tuple[float, ...] = (0.0, 1.0, 3.0, 10.0)
+    """Batch flood: batch load as multiples of the batch pool's capacity without queueing."""
+    overload_multiples: tuple[float, ...] = (0.5, 2.0, 6.0)
+    """Overload: chat load as multiples of the interactive pool's one-at-a-time capacity."""
+    overload_prompt_words: int = 120
+    overload_max_tokens: int = 48
+    ttft_target_s: float = 1.0
+    """Goodput counts the chats whose first token came within this long."""
+    kv_cache_bytes: int = 32 << 20
+    """Every model's KV cache, in every set-up (small, so the overload sweep fills it on CPU)."""
+    request_timeout_s: float = 20.0
+    """A request with no response by then is lost (a waiting person has gone)."""
+
+    @classmethod
+    def quick(cls) -> "BenchOptions":
+        return cls(rounds=2, window_s=8.0, flood_multiples=(0.0, 10.0), overload_multiples=(0.5, 6.0))
+
+
+@dataclass
+class Window:
+    """One measured window: one set-up, one scenario, one load level, one round."""
+
+    scenario: str
+    setup: str
+    level: float
+    """The sweep's x value: batch completions/s (batch-flood) or chats/s (overload)."""
+    round: int
+    client: str
+    """Who drove and measured the chats: `vllm-bench` (vllm.benchmarks.serve) or `drill`."""
+    seconds: float
+    ttfts: list[float] = field(default_factory=list)
+    """Seconds to the first token, of every chat that was served (whatever its TTFT)."""
+    itls: list[float] = field(default_factory=list)
+    interactive: dict[str, int] = field(default_factory=dict)
+    """Chat outcomes: ok, degraded, shed, failed, lost (see drill_report.py)."""
+    batch: dict[str, int] = field(default_factory=dict)
+    batch_tokens: int = 0
+    kv_max: float | None = None
+    """Highest KV-cache use of the engine serving chats during the window (0-1)."""
+    level_max: int | None = None
+    """Highest breaker level of the interactive pool during the window (sidecar set-ups)."""
+
+
+class BenchDrill(Drill):
+    """The drills' load and records, aimed at one set-up; chats with long, distinct prompts for overload."""
+
+    def __init__(self, mesh, options: DrillOptions, base_url: str, long_chats: BenchOptions | None = None):
+        super().__init__(mesh, options)
+        self.base_url = base_url
+        self.long = long_chats
+        self._n = 0
+        self.client = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(options.request_timeout_s, connect=5.0),
+                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128))
+
+    def chat_body(self) -> dict:
+        if self.long is None:
+            return super().chat_body()
+        self._n += 1
+        # The number first: no two prompts share a prefix block, so vLLM's prefix cache shares nothing.
+        words = " ".join(f"w{(self._n * 7919 + i) % 997}" for i in range(self.long.overload_prompt_words))
+        return {"model": self.model, "stream": True, "max_tokens": self.long.overload_max_tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": f"{self._n}: summarise {words}"}]}
+
+    async def window(self, rate_interactive: float, rate_batch: float, seconds: float) -> None:
+        loads = []
+        if rate_interactive > 0:
+            loads.append(asyncio.get_running_loop().create_task(self._arrivals(rate_interactive, self.interactive)))
+        if rate_batch > 0:
+            loads.append(asyncio.get_running_loop().create_task(self._arrivals(rate_batch, self.batch)))
+        await asyncio.sleep(seconds)
+        self.stop_load.set()
+        await asyncio.gather(*loads)
+        await self.drain()
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=self.opt.request_timeout_s + 5)
+
+    def outcomes(self, kind: str, home: dict[str, str]) -> dict[str, int]:
+        c = {o: 0 for o in ("ok", "degraded", "shed", "failed", "lost")}
+        for r in self.requests:
+            if r.kind == kind:
+                r.outcome = classify(r, home, None)
+                c[r.outcome if r.outcome in c else "failed"] += 1
+        return c
+
+
+# -- the set-ups --------------------------------------------------------------------------------
+
+def plain_envoy_bootstrap(listen_port: int, admin_port: int, endpoints: list[tuple[str, int]]) -> dict:
+    """A static Envoy without the filter: one round-robin cluster over every pool's sidecar, with
+    the same connection limits, outlier detection and health checks as the mesh's pool clusters."""
+    from infermesh.meshconfig.envoy_resources import (LOCAL_REPLY_CONFIG, POOL_LIMITS, admin, circuit_breakers,
+                                                      health_checks, outlier_detection)
+
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "plain", "codec_type": "AUTO", "stream_idle_timeout": "120s", "local_reply_config": LOCAL_REPLY_CONFIG,
+        "route_config": {"name": "plain", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+            {"match": {"prefix": "/"}, "route": {"cluster": "pools_rr", "timeout": "0s"}}]}]},
+        "http_filters": [{"name": "envoy.filters.http.router",
+                          "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+    }
+    cluster = {
+        "name": "pools_rr", "type": "STATIC", "lb_policy": "ROUND_ROBIN", "connect_timeout": POOL_LIMITS.connect_timeout,
+        "circuit_breakers": circuit_breakers(), "outlier_detection": outlier_detection(), "health_checks": health_checks(False),
+        "load_assignment": {"cluster_name": "pools_rr", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in endpoints]}]},
+    }
+    return {"admin": admin(admin_port), "static_resources": {
+        "listeners": [{"name": "plain", "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+                       "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]}],
+        "clusters": [cluster]}}
+
+
+def bench_policy(source: Path, out: Path, kv_cache_bytes: int) -> Path:
+    """A copy of the policy with every model's KV cache set to `kv_cache_bytes`."""
+    doc = yaml.safe_load(source.read_text())
+    for pool in doc["pools"].values():
+        for m in pool["models"]:
+            m["kv_cache_bytes"] = kv_cache_bytes
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
+
+
+class Bench:
+    def __init__(self, opt: BenchOptions, policy_path: Path, progress: Callable[[str], None]):
+        self.opt = opt
+        self.say = progress
+        self.run_dir = Path(tempfile.mkdtemp(prefix="infermesh-bench-"))
+        self.policy_path = bench_policy(policy_path, self.run_dir / "policy.yaml", opt.kv_cache_bytes)
+        self.windows: list[Window] = []
+        self.calibration: dict = {}
+
+    # -- start / stop ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        from infermesh import paths
+        from infermesh.launcher import LocalMesh, free_ports, plan_on_free_ports, wait_until, _http_ok
+
+        self.mesh = LocalMesh(plan_on_free_ports(self.policy_path), self.run_dir, cpu_cores=CPU_CORES)
+        t0 = time.monotonic()
+        self.mesh.start(timeout=600, progress=self.say)
+        policy = self.mesh.plan.policy
+        self.interactive_pool = policy.classes["interactive"].pool
+        plain_port, plain_admin, vllm_port = free_ports(3)
+        bootstrap = self.run_dir / "envoy-plain.json"
+        bootstrap.write_text(json.dumps(plain_envoy_bootstrap(
+            plain_port, plain_admin, [(self.mesh.plan.host, p.http_port) for p in self.mesh.plan.pools]), indent=2))
+        self.mesh._spawn("envoy-plain", [str(paths.envoy_binary()), "-c", str(bootstrap), "--use-dynamic-base-id",
+                                         "--concurrency", "2", "--log-level", "warn"])
+        primary = policy.pools[self.interactive_pool].models[0]
+        model_path = primary.path or str(self.mesh.models_dir / primary.name)
+        names = [primary.name, *primary.aliases]
+        self.mesh._spawn("vllm-serve", [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--served-model-name", *names,
+            "--host", "127.0.0.1", "--port", str(vllm_port), "--max-model-len", str(primary.max_model_len),
+            "--kv-cache-memory-bytes", str(primary.kv_cache_bytes), "--max-num-seqs", str(primary.max_num_seqs),
+            "--dtype", primary.dtype, "--enforce-eager", "--disable-uvicorn-access-log"], {"VLLM_CPU_OMP_THREADS_BIND": ALL_CORES})
+        self.say(f"vllm-serve: starting ({primary.name} on cores {ALL_CORES}); envoy-rr: starting (round-robin over the pools' sidecars)")
+        self.urls = {"vllm-serve": f"http://127.0.0.1:{vllm_port}", "envoy-rr": f"http://127.0.0.1:{plain_port}",
+                     "infermesh": self.mesh.base_url}
+        self.model_path = model_path
+        for name, probe in (("vllm-serve", self.urls["vllm-serve"] + "/health"), ("envoy-rr", f"http://127.0.0.1:{plain_admin}/ready")):
+            def ready(probe=probe, name=name):
+                c = self.mesh.child(name)
+                if c.proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited:\n{c.tail()}")
+                return _http_ok(probe)
+            wait_until(ready, 300, every=0.5, what=name)
+        self.say(f"all three set-ups up in {time.monotonic() - t0:.0f}s (logs in {self.run_dir})")
+
+    def stop(self) -> None:
+        if getattr(self, "mesh", None) is not None:
+            self.mesh.stop()
+
+    # -- load -------------------------------------------------------------------------------------
+
+    def drill(self, setup: str, long_chats: bool = False) -> BenchDrill:
+        opts = DrillOptions(request_timeout_s=self.opt.request_timeout_s)
+        return BenchDrill(self.mesh, opts, self.urls[setup], self.opt if long_chats else None)
+
+    def home(self, setup: str) -> dict[str, str]:
+        """Where each kind belongs: only the mesh has homes (a spill is a degradation); the
+        others have none by design."""
+        return {"interactive": self.interactive_pool, "batch": "batch"} if setup == "infermesh" else {}
+
+    async def calibrate(self) -> None:
+        """What each pool serves without queueing: one request at a time, straight to its sidecar."""
+        for pool, long_chats, kind in (("batch", False, "batch"), (self.interactive_pool, True, "interactive")):
+            d = BenchDrill(self.mesh, DrillOptions(request_timeout_s=self.opt.request_timeout_s), self.mesh.sidecar_url(pool),
+                           self.opt if long_chats else None)
+            try:
+                for _ in range(2):  # warm-up
+                    await getattr(d, kind)()
+                d.requests.clear()
+                for _ in range(5):
+                    await getattr(d, kind)()
+            finally:
+                await d.client.aclose()
+            lat = statistics.median(r.done - r.sent for r in d.requests if r.done is not None)
+            self.calibration[kind] = {"pool": pool, "one_at_a_time_s": round(lat, 3), "capacity_rps": round(1 / lat, 2)}
+            self.say(f"calibration: pool {pool} serves one {kind} request in {lat * 1000:.0f} ms -> {1 / lat:.2f}/s without queueing")
+
+    async def _kv_watch(self, setup: str, stop: asyncio.Event, w: Window) -> None:
+        async with httpx.AsyncClient(timeout=1.0) as c:
+            while not stop.is_set():
+                try:
+                    if setup == "vllm-serve":
+                        text = (await c.get(self.urls["vllm-serve"] + "/metrics")).text
+                        m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.eE+-]+)", text, re.M)
+                        kv = float(m.group(1)) if m else None
+                    else:
+                        st = (await c.get(self.mesh.admin_url(self.interactive_pool) + "/admin/state")).json()
+                        kv = max(e["kv_cache_usage"] or 0.0 for e in st["engines"])
+                        w.level_max = max(w.level_max or 0, st["level"])
+                    if kv is not None:
+                        w.kv_max = max(w.kv_max or 0.0, kv)
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    pass
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.25)
+
+    async def _vllm_bench(self, setup: str, rate: float, seconds: float) -> dict:
+        """Chats driven and measured by vLLM's serving benchmark client, against one set-up."""
+        from vllm.benchmarks import serve
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = FlexibleArgumentParser()
+        serve.add_cli_args(parser)
+        n = max(2, round(rate * seconds))
+        args = parser.parse_args([
+            "--backend", "openai-chat", "--base-url", self.urls[setup], "--endpoint", "/v1/chat/completions",
+            "--model", self.model_path, "--tokenizer", self.model_path, "--served-model-name", "tiny-llama",
+            "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "16", "--ignore-eos",
+            "--num-prompts", str(n), "--request-rate", str(rate), "--seed", "0", "--disable-tqdm",
+            "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,95,99",
+            "--goodput", f"ttft:{self.opt.ttft_target_s * 1000:g}", "--ready-check-timeout-sec", "30"])
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints its own tables; ours come later
+            return await serve.main_async(args)
+
+    async def flood_window(self, setup: str, level: float, rnd: int, agree: bool) -> list[Window]:
+        d = self.drill(setup)
+        out = []
+        try:
+            batch = asyncio.get_running_loop().create_task(d._arrivals(level, d.batch)) if level > 0 else None
+            await asyncio.sleep(1.0 if level > 0 else 0.0)  # the flood is on before the first measured chat
+            t0 = time.monotonic()
+            res = await self._vllm_bench(setup, self.opt.interactive_rate, self.opt.window_s)
+            seconds = time.monotonic() - t0
+            d.stop_load.set()
+            if batch is not None:
+                await batch
+            await d.drain()
+            w = Window("batch-flood", setup, level, rnd, "vllm-bench", seconds)
+            errs = res["errors"]
+            w.ttfts = [t for t, e in zip(res["ttfts"], errs) if not e]
+            w.itls = [x for itl, e in zip(res["itls"], errs) if not e for x in itl]
+            w.interactive = {"ok": len(w.ttfts), "degraded": 0, "shed": 0,
+                             "failed": sum(1 for e in errs if e and "Timeout" not in e), "lost": sum(1 for e in errs if e and "Timeout" in e)}
+            w.batch = d.outcomes("batch", self.home(setup))
+            w.batch_tokens = 24 * (w.batch["ok"] + w.batch["degraded"])
+            out.append(w)
+            if agree:
+                # Our own client, same rate and length, no flood: it must agree with vLLM's client.
+                d2 = self.drill(setup)
+                try:
+                    await d2.window(self.opt.interactive_rate, 0, self.opt.window_s)
+                    w2 = Window("batch-flood", setup, level, rnd, "drill", self.opt.window_s)
+                    w2.interactive = d2.outcomes("interactive", self.home(setup))
+                    w2.ttfts = [r.ttft for r in d2.requests if r.ttft is not None and r.outcome in ("ok", "degraded")]
+                    out.append(w2)
+                finally:
+                    await d2.client.aclose()
+        finally:
+            await d.client.aclose()
+        return out
+
+    async def overload_window(self, setup: str, level: float, rnd: int) -> Window:
+        d = self.drill(setup, long_chats=True)
+        w = Window("overload", setup, level, rnd, "drill", self.opt.window_s)
+        stop = asyncio.Event()
+        watch = asyncio.get_running_loop().create_task(self._kv_watch(setup, stop, w))
+        try:
+            await d.window(level, 0, self.opt.window_s)
+        finally:
+            stop.set()
+            await watch
+            await d.client.aclose()
+        w.interactive = d.outcomes("interactive", self.home(setup))
+        w.ttfts = [r.ttft for r in d.requests if r.ttft is not None and r.outcome in ("ok", "degraded")]
+        return w
+
+    async def run(self, scenarios: list[str]) -> None:
+        if "batch-flood" in scenarios:
+            from vllm.benchmarks import serve  # noqa: F401  (its import takes ~20 s: not inside a window)
+        await self.calibrate()
+        c_batch = self.calibration["batch"]["capacity_rps"]
+        c_chat = self.calibration["interactive"]["capacity_rps"]
+        plan: list[tuple[str, float]] = []
+        if "batch-flood" in scenarios:
+            plan += [("batch-flood", round(m * c_batch, 2)) for m in self.opt.flood_multiples]
+        if "overload" in scenarios:
+            plan += [("overload", round(m * c_chat, 2)) for m in self.opt.overload_multiples]
+        total = self.opt.rounds * len(plan) * len(SETUPS)
+        i = 0
+        for rnd in range(self.opt.rounds):
+            for scenario, level in plan:
+                order = SETUPS[rnd % 3:] + SETUPS[:rnd % 3]
+                for setup in order:
+                    i += 1
+                    self.say(f"[{i}/{total}] round {rnd + 1} {scenario} level {level:g}/s {setup}")
+                    if scenario == "batch-flood":
+                        ws = await self.flood_window(setup, level, rnd, agree=(rnd == 0 and level == 0))
+                    else:
+                        ws = [await self.overload_window(setup, level, rnd)]
+                    self.windows += ws
+                    for w in ws:
+                        self.say(f"    {w.client}: {w.interactive} ttft p99 "
+                                 f"{(max(w.ttfts) if w.ttfts else float('nan')) * 1000:.0f} ms max; batch {w.batch or '-'}"
+                                 + (f"; kv max {w.kv_max:.2f}" if w.kv_max is not None else ""))
+                    await asyncio.sleep(1.0)  # the engines finish what was aborted before the next set-up
+
+    def result(self, scenarios: list[str]) -> dict:
+        from .bench_report import build_report
+
+        return build_report([asdict(w) for w in self.windows], self.opt.ttft_target_s, self.calibration,
+                            {"options": asdict(self.opt), "scenarios": scenarios, "cpu_cores": {**CPU_CORES, "vllm-serve": ALL_CORES}})
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from infermesh.launcher import LaunchError
+    from infermesh.meshconfig.policy import LOCAL_POLICY
+
+    from .bench_report import format_report, plot_report
+    from .models import build_all
+
+    def say(msg: str) -> None:
+        print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+    opt = BenchOptions.quick() if args.quick else BenchOptions()
+    if args.rounds:
+        opt.rounds = args.rounds
+    scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    build_all()
+    bench = Bench(opt, Path(args.policy) if args.policy else LOCAL_POLICY, say)
+    try:
+        bench.start()
+        asyncio.run(bench.run(scenarios))
+    except LaunchError as e:
+        say(f"a set-up failed to start: {e}")
+        return 1
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+    finally:
+        bench.stop()
+    rep = bench.result(scenarios)
+    print(format_report(rep), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rep, indent=2))
+        say(f"JSON in {args.json}")
+    if args.plot:
+        plot_report(rep, args.plot)
+        say(f"picture in {args.plot}")
+    say(f"logs and generated configs in {bench.run_dir}")
+    return 0
