@@ -108,6 +108,8 @@ class Window:
     """Highest KV-cache use of the engine serving chats during the window (0-1)."""
     level_max: int | None = None
     """Highest breaker level of the interactive pool during the window (sidecar set-ups)."""
+    vllm_summary: dict = field(default_factory=dict)
+    """vllm-bench windows: vLLM's own figures for the window (its goodput and p99s), for comparison."""
 
 
 class BenchDrill(Drill):
@@ -304,7 +306,7 @@ class Bench:
             "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "16", "--ignore-eos",
             "--num-prompts", str(n), "--request-rate", str(rate), "--seed", "0", "--disable-tqdm",
             "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,95,99",
-            "--goodput", f"ttft:{self.opt.ttft_target_s * 1000:g}", "--ready-check-timeout-sec", "30"])
+            "--goodput", f"ttft:{self.opt.ttft_target_s * 1000:g}", "--ready-check-timeout-sec", "30", "--save-detailed"])
         with contextlib.redirect_stdout(io.StringIO()):  # it prints its own tables; ours come later
             return await serve.main_async(args)
 
@@ -321,8 +323,11 @@ class Bench:
             if batch is not None:
                 await batch
             await d.drain()
-            w = Window("batch-flood", setup, level, rnd, "vllm-bench", seconds)
+            # Goodput over the benchmark's own duration (its ready check before it is not load).
+            w = Window("batch-flood", setup, level, rnd, "vllm-bench", res.get("duration") or seconds)
             errs = res["errors"]
+            w.vllm_summary = {k: res.get(k) for k in ("completed", "failed", "request_goodput", "p50_ttft_ms", "p99_ttft_ms",
+                                                      "p50_itl_ms", "p99_itl_ms", "duration")}
             w.ttfts = [t for t, e in zip(res["ttfts"], errs) if not e]
             w.itls = [x for itl, e in zip(res["itls"], errs) if not e for x in itl]
             w.interactive = {"ok": len(w.ttfts), "degraded": 0, "shed": 0,
