@@ -56,7 +56,8 @@ class ControlPlane:
 
     def set_level(self, pool: str, level: int) -> None:
         if self.levels.get(pool) != level:
-            log.warning("pool level changed", extra={"pool": pool, "level": level, "was": self.levels.get(pool)})
+            # `pool_level`, not `level`: that key is the log line's own severity.
+            log.warning("pool level changed", extra={"pool": pool, "pool_level": level, "was": self.levels.get(pool)})
             self.levels[pool] = level
             self.publish()
 
