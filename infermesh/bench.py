@@ -57,6 +57,8 @@ SCENARIOS = ("batch-flood", "overload")
 CPU_CORES = {"interactive": "0", "batch": "1"}
 """Each pool's engines on its own core (VLLM_CPU_OMP_THREADS_BIND); vllm-serve gets both."""
 ALL_CORES = "0-1"
+BATCH_TOKENS = 24
+"""Tokens a batch completion of the drills' client asks for (`Drill.batch`)."""
 
 
 @dataclass
@@ -311,44 +313,62 @@ class Bench:
             return await serve.main_async(args)
 
     async def flood_window(self, setup: str, level: float, rnd: int, agree: bool) -> list[Window]:
-        d = self.drill(setup)
         out = []
+        flood = await self._start_flood(setup, level) if level > 0 else None
         try:
-            batch = asyncio.get_running_loop().create_task(d._arrivals(level, d.batch)) if level > 0 else None
-            await asyncio.sleep(1.0 if level > 0 else 0.0)  # the flood is on before the first measured chat
+            if flood is not None:
+                await asyncio.sleep(1.0)  # the flood is on before the first measured chat
             t0 = time.monotonic()
             res = await self._vllm_bench(setup, self.opt.interactive_rate, self.opt.window_s)
             seconds = time.monotonic() - t0
-            d.stop_load.set()
-            if batch is not None:
-                await batch
-            await d.drain()
-            # Goodput over the benchmark's own duration (its ready check before it is not load).
-            w = Window("batch-flood", setup, level, rnd, "vllm-bench", res.get("duration") or seconds)
-            errs = res["errors"]
-            w.vllm_summary = {k: res.get(k) for k in ("completed", "failed", "request_goodput", "p50_ttft_ms", "p99_ttft_ms",
-                                                      "p50_itl_ms", "p99_itl_ms", "duration")}
-            w.ttfts = [t for t, e in zip(res["ttfts"], errs) if not e]
-            w.itls = [x for itl, e in zip(res["itls"], errs) if not e for x in itl]
-            w.interactive = {"ok": len(w.ttfts), "degraded": 0, "shed": 0,
-                             "failed": sum(1 for e in errs if e and "Timeout" not in e), "lost": sum(1 for e in errs if e and "Timeout" in e)}
-            w.batch = d.outcomes("batch", self.home(setup))
-            w.batch_tokens = 24 * (w.batch["ok"] + w.batch["degraded"])
-            out.append(w)
-            if agree:
-                # Our own client, same rate and length, no flood: it must agree with vLLM's client.
-                d2 = self.drill(setup)
-                try:
-                    await d2.window(self.opt.interactive_rate, 0, self.opt.window_s)
-                    w2 = Window("batch-flood", setup, level, rnd, "drill", self.opt.window_s)
-                    w2.interactive = d2.outcomes("interactive", self.home(setup))
-                    w2.ttfts = [r.ttft for r in d2.requests if r.ttft is not None and r.outcome in ("ok", "degraded")]
-                    out.append(w2)
-                finally:
-                    await d2.client.aclose()
+            batch = await self._stop_flood(flood) if flood is not None else {}
         finally:
-            await d.client.aclose()
+            if flood is not None and flood.returncode is None:
+                flood.kill()
+                await flood.wait()
+        # Goodput over the benchmark's own duration (its ready check before it is not load).
+        w = Window("batch-flood", setup, level, rnd, "vllm-bench", res.get("duration") or seconds)
+        errs = res["errors"]
+        w.vllm_summary = {k: res.get(k) for k in ("completed", "failed", "request_goodput", "p50_ttft_ms", "p99_ttft_ms",
+                                                  "p50_itl_ms", "p99_itl_ms", "duration")}
+        w.ttfts = [t for t, e in zip(res["ttfts"], errs) if not e]
+        w.itls = [x for itl, e in zip(res["itls"], errs) if not e for x in itl]
+        w.interactive = {"ok": len(w.ttfts), "degraded": 0, "shed": 0,
+                         "failed": sum(1 for e in errs if e and "Timeout" not in e), "lost": sum(1 for e in errs if e and "Timeout" in e)}
+        w.batch = batch
+        w.batch_tokens = BATCH_TOKENS * (batch.get("ok", 0) + batch.get("degraded", 0))
+        out.append(w)
+        if agree:
+            # Our own client, same rate, no flood: it must agree with vLLM's client.
+            d2 = self.drill(setup)
+            try:
+                await d2.window(self.opt.interactive_rate, 0, self.opt.window_s)
+                w2 = Window("batch-flood", setup, level, rnd, "drill", self.opt.window_s)
+                w2.interactive = d2.outcomes("interactive", self.home(setup))
+                w2.ttfts = [r.ttft for r in d2.requests if r.ttft is not None and r.outcome in ("ok", "degraded")]
+                out.append(w2)
+            finally:
+                await d2.client.aclose()
         return out
+
+    async def _start_flood(self, setup: str, rate: float) -> asyncio.subprocess.Process:
+        """The batch flood in a process of its own: at 10x capacity its client would otherwise slow
+        the event loop that times the chats, and the chats' TTFT would be the client's."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "infermesh.bench", "--flood", self.urls[setup], "--policy", str(self.policy_path),
+            "--rate", str(rate), "--timeout", str(self.opt.request_timeout_s), "--home", json.dumps(self.home(setup)),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        if line.strip() != b"started":
+            raise RuntimeError(f"the batch flood process did not start: {line!r}")
+        return proc
+
+    async def _stop_flood(self, proc: asyncio.subprocess.Process) -> dict[str, int]:
+        proc.stdin.write(b"stop\n")
+        await proc.stdin.drain()
+        line = await asyncio.wait_for(proc.stdout.readline(), self.opt.request_timeout_s + 30)
+        await proc.wait()
+        return json.loads(line)
 
     async def overload_window(self, setup: str, level: float, rnd: int) -> Window:
         d = self.drill(setup, long_chats=True)
@@ -439,3 +459,38 @@ def run_cli(args: argparse.Namespace) -> int:
         say(f"picture in {args.plot}")
     say(f"logs and generated configs in {bench.run_dir}")
     return 0
+
+
+def _flood_main(argv: list[str]) -> int:
+    """`python -m infermesh.bench --flood URL ...`: batch completions at a rate (the drills' open-loop
+    client) until a line arrives on stdin, then their outcomes as one JSON line."""
+    from types import SimpleNamespace
+
+    from infermesh.meshconfig.policy import load_policy
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--flood", required=True, help="base URL")
+    p.add_argument("--policy", required=True)
+    p.add_argument("--rate", type=float, required=True)
+    p.add_argument("--timeout", type=float, required=True)
+    p.add_argument("--home", default="{}")
+    a = p.parse_args(argv)
+
+    async def main() -> dict:
+        mesh = SimpleNamespace(plan=SimpleNamespace(policy=load_policy(a.policy)))
+        d = BenchDrill(mesh, DrillOptions(request_timeout_s=a.timeout), a.flood)
+        load = asyncio.get_running_loop().create_task(d._arrivals(a.rate, d.batch))
+        print("started", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        d.stop_load.set()
+        await load
+        await d.drain()
+        await d.client.aclose()
+        return d.outcomes("batch", json.loads(a.home))
+
+    print(json.dumps(asyncio.run(main())), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_flood_main(sys.argv[1:]))
