@@ -450,8 +450,8 @@ def wasm_plugin(parts: dict, opts: IstioOptions) -> dict:
         "pluginName": "infermesh",
         "failStrategy": opts.fail_strategy,
         "type": "HTTP",
-        # No phase: Istio then inserts it right before the router, after authentication and
-        # authorization, so a request that is refused anyway is never classified.
+        # No phase: Istio then inserts it after authentication and authorization (before its own
+        # stats, fault and CORS filters), so a request that is refused anyway is never classified.
         "pluginConfig": plugin_config(parts),
     }
     if opts.attach_to == "sidecar":
