@@ -20,9 +20,8 @@ from .envoy_resources import (
     listener,
     pool_clusters,
 )
-# Still imported from here by istio.py, test_istio.py and test_policy.py; new code imports them
-# from envoy_resources.
-from .envoy_resources import POOL_HEADER, REQUEST_BUFFER_LIMIT_BYTES, route_config  # noqa: F401
+# Still imported from here by mesh-config/tests/test_policy.py; new code imports it from envoy_resources.
+from .envoy_resources import route_config  # noqa: F401
 
 __all__ = ["MeshListener", "PoolEndpoint", "bootstrap", "write_bootstrap"]
 
