@@ -41,7 +41,6 @@ class Subscription:
     sent_version: str | None = None
     nonce: str = ""
     """The nonce of the latest response; only a request carrying it can ACK or NACK."""
-    acked_version: str | None = None
     nacked_version: str | None = None
     """The version Envoy refused: not sent again on this stream."""
 
@@ -81,8 +80,6 @@ class StreamState:
             log.error("envoy rejected a config (NACK)", extra={"type": t, "version": sub.sent_version, "kept": req.version_info,
                                                                 "reason": req.error_detail.message, "peer": self.peer})
             return []
-        if req.version_info == sub.sent_version:
-            sub.acked_version = req.version_info
         names_changed = names != sub.names
         sub.names = names
         if snap is None or snap.version == sub.nacked_version:
