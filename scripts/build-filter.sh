@@ -21,4 +21,6 @@ fi
 RUSTC=/usr/bin/rustc /usr/bin/cargo build --offline --locked --release --target wasm32-wasi \
   --config "source.crates-io.replace-with=\"vendored\"" \
   --config "source.vendored.directory=\"$VENDOR\"" "$@"
+# Envoy calls every proxy_on_* callback a module exports; drop those the filter does not use.
+[ $# -gt 0 ] || python3 ../scripts/strip-wasm-exports.py target/wasm32-wasi/release/infermesh_filter.wasm
 [ $# -gt 0 ] || ls -l target/wasm32-wasi/release/infermesh_filter.wasm >&2

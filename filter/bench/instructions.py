@@ -100,6 +100,7 @@ def build_profile() -> None:
     print("instructions: building the profiling module (feature bench-profile)", file=sys.stderr, flush=True)
     subprocess.run([str(rb.paths.REPO_ROOT / "scripts" / "build-filter.sh"), "--features", "bench-profile", "--target-dir", "target/bench-profile"],
                    check=True, stdout=subprocess.DEVNULL)
+    rb.strip_unused_exports(PROFILE_WASM)
 
 
 def write_config(path: Path, name: str, port: int, admin: int, sink_port: int, modules: dict[str, Path] | None = None) -> None:

@@ -84,6 +84,12 @@ def build_noop() -> None:
     print("bench: building the proxy-wasm baseline module (feature bench-noop)", file=sys.stderr, flush=True)
     subprocess.run([str(paths.REPO_ROOT / "scripts" / "build-filter.sh"), "--features", "bench-noop", "--target-dir", "target/bench-noop"],
                    check=True, stdout=subprocess.DEVNULL)
+    strip_unused_exports(NOOP_WASM)
+
+
+def strip_unused_exports(module: Path) -> None:
+    """As scripts/build-filter.sh does for the shipped module: the baselines export what it exports."""
+    subprocess.run([sys.executable, str(paths.REPO_ROOT / "scripts" / "strip-wasm-exports.py"), str(module)], check=True)
 
 
 def chat_body(size: int) -> bytes:

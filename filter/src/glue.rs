@@ -307,6 +307,9 @@ fn is_json(content_type: Option<&str>) -> bool {
 
 impl Context for Request {}
 
+/// Request callbacks only: the build drops the exports of the response-side ones
+/// (and `on_log`, `on_done`) so Envoy skips those calls; one used here must come off the list in
+/// scripts/strip-wasm-exports.py.
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if cfg!(feature = "bench-noop") {

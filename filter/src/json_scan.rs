@@ -51,14 +51,24 @@ fn find_stop<const HIGH_BYTES: bool>(b: &[u8], from: usize) -> (usize, bool) {
     return find_stop_words::<HIGH_BYTES>(b, from);
 }
 
-/// `find_stop` 16 bytes a step: per block, a bit per byte that is a stop and a bit per byte
-/// ≥ 0x80 ([`masks16`]); fewer than 16 bytes left go to the word scan.
+/// `find_stop` with vectors: 64 bytes a step while no stop is in them ([`quad_flags`]: one
+/// branch per four vectors), then 16 bytes a step, per block a bit per byte that is a stop and a
+/// bit per byte ≥ 0x80 ([`masks16`]); fewer than 16 bytes left go to the word scan.
 #[cfg(any(target_arch = "wasm32", target_arch = "x86_64"))]
 #[cfg_attr(target_arch = "wasm32", target_feature(enable = "simd128"))]
 fn find_stop_vectors<const HIGH_BYTES: bool>(b: &[u8], from: usize) -> (usize, bool) {
-    let rest = b.get(from..).unwrap_or(&[]);
-    let mut high = 0u32;
     let mut at = from;
+    let mut quad_high = false;
+    for quad in b.get(from..).unwrap_or(&[]).chunks_exact(64) {
+        let (stop, high) = quad_flags(quad);
+        if stop {
+            break;
+        }
+        quad_high |= HIGH_BYTES && high;
+        at += 64;
+    }
+    let rest = b.get(at..).unwrap_or(&[]);
+    let mut high = u32::from(quad_high);
     let mut blocks = rest.chunks_exact(16);
     for block in &mut blocks {
         let (stop, block_high) = masks16(block);
@@ -90,6 +100,49 @@ fn masks16(block: &[u8]) -> (u32, u32) {
     let quote_or_backslash = v128_or(u8x16_eq(v, u8x16_splat(b'"')), u8x16_eq(v, u8x16_splat(b'\\')));
     let stop = v128_or(quote_or_backslash, u8x16_lt(v, u8x16_splat(0x20)));
     (u8x16_bitmask(stop) as u32, u8x16_bitmask(v) as u32)
+}
+
+/// For 64 bytes: (whether any is a `"`, `\\` or control byte, whether any is ≥ 0x80).
+#[cfg(target_arch = "wasm32")]
+#[target_feature(enable = "simd128")]
+#[inline]
+fn quad_flags(quad: &[u8]) -> (bool, bool) {
+    use core::arch::wasm32::*;
+    if quad.len() < 64 {
+        return (true, false);
+    }
+    let (quote, backslash, space) = (u8x16_splat(b'"'), u8x16_splat(b'\\'), u8x16_splat(0x20));
+    let (mut stop, mut high) = (u8x16_splat(0), u8x16_splat(0));
+    for block in quad.chunks_exact(16) {
+        // SAFETY: 16 readable bytes (a chunk of 64 checked above); v128_load reads unaligned.
+        let v = unsafe { v128_load(block.as_ptr() as *const v128) };
+        stop = v128_or(stop, v128_or(v128_or(u8x16_eq(v, quote), u8x16_eq(v, backslash)), u8x16_lt(v, space)));
+        high = v128_or(high, v);
+    }
+    (v128_any_true(stop), u8x16_bitmask(high) != 0)
+}
+
+/// The SSE2 twin of the Wasm `quad_flags`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn quad_flags(quad: &[u8]) -> (bool, bool) {
+    use core::arch::x86_64::*;
+    if quad.len() < 64 {
+        return (true, false);
+    }
+    // SAFETY: 16 readable bytes per chunk (of 64, checked above), unaligned loads; SSE2 is
+    // baseline on x86_64.
+    unsafe {
+        let (quote, backslash, below_space) = (_mm_set1_epi8(b'"' as i8), _mm_set1_epi8(b'\\' as i8), _mm_set1_epi8(0x1f));
+        let (mut stop, mut high) = (_mm_setzero_si128(), _mm_setzero_si128());
+        for block in quad.chunks_exact(16) {
+            let v = _mm_loadu_si128(block.as_ptr() as *const __m128i);
+            let control = _mm_cmpeq_epi8(_mm_min_epu8(v, below_space), v);
+            stop = _mm_or_si128(stop, _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, backslash)), control));
+            high = _mm_or_si128(high, v);
+        }
+        (_mm_movemask_epi8(stop) != 0, _mm_movemask_epi8(high) != 0)
+    }
 }
 
 /// The SSE2 twin of the Wasm `masks16` (SSE2 is part of x86_64): what `cargo test` runs.
@@ -648,7 +701,7 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let len = (x % 80) as usize;
+            let len = (x % 200) as usize;
             let bytes: Vec<u8> = (0..len)
                 .map(|j| {
                     let r = x.rotate_left(j as u32 * 5);
@@ -662,6 +715,26 @@ mod tests {
             assert_eq!(find_stop::<false>(&bytes, from).0, stop);
             assert_eq!(find_stop_words::<true>(&bytes, from), (stop, high), "{:?} from {}", bytes, from);
             assert_eq!(find_stop_words::<false>(&bytes, from).0, stop);
+        }
+        // Long plain runs (the 64-byte steps): one stop and one byte ≥ 0x80 anywhere.
+        for len in [63usize, 64, 65, 80, 127, 128, 129, 200] {
+            for stop_at in (0..=len).step_by(3) {
+                for high_at in [None, Some(0), Some(stop_at.saturating_sub(1)), Some(stop_at + 1), Some(len / 2)] {
+                    let mut bytes = vec![b'a'; len];
+                    if let Some(h) = high_at.filter(|&h| h < len) {
+                        bytes[h] = 0xc3;
+                    }
+                    if stop_at < len {
+                        bytes[stop_at] = if stop_at % 2 == 0 { b'"' } else { 0x1f };
+                    }
+                    for from in [0, 1, 17].into_iter().filter(|&f| f <= len) {
+                        let stop = (from..len).find(|&j| matches!(bytes[j], b'"' | b'\\' | 0..=0x1f)).unwrap_or(len);
+                        let high = bytes[from..stop].iter().any(|&c| c >= 0x80);
+                        assert_eq!(find_stop::<true>(&bytes, from), (stop, high), "len {len} stop {stop_at} high {high_at:?} from {from}");
+                        assert_eq!(find_stop::<false>(&bytes, from).0, stop);
+                    }
+                }
+            }
         }
         for c in 0..=255u8 {
             for k in 0..8 {
