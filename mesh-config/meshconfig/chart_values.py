@@ -3,8 +3,8 @@
 Its `policy` part comes from the policy model itself (`Policy.model_json_schema()`): classes,
 typed rules (with the filter's own limits, mesh-config/meshconfig/policy.py), pools, models,
 serving limits and breakers, so the chart accepts what `infermesh policy check` accepts, short
-of the checks a schema cannot express (cross references, regex syntax: the chart's
-_validate.tpl and the filter itself). Two things are added here: pool names must be DNS labels
+of the checks a schema cannot express (cross references, regex syntax: the policy model
+itself, when `infermesh policy render POLICY helm-values` writes the chart's values). Two things are added here: pool names must be DNS labels
 (they become Service names), and every map of names rejects names that do not fit. The rest
 describes the chart's own settings. Every object rejects unknown keys (`additionalProperties:
 false`), so a typo in values fails `helm install` instead of being ignored.
