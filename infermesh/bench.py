@@ -217,10 +217,10 @@ class Bench:
         policy = self.mesh.plan.policy
         self.interactive_pool = policy.classes["interactive"].pool
         plain_port, plain_admin, vllm_port = free_ports(3)
-        bootstrap = self.run_dir / "envoy-plain.json"
+        bootstrap = self.run_dir / "envoy-rr.json"
         bootstrap.write_text(json.dumps(plain_envoy_bootstrap(
             plain_port, plain_admin, [(self.mesh.plan.host, p.http_port) for p in self.mesh.plan.pools]), indent=2))
-        self.mesh._spawn("envoy-plain", [str(paths.envoy_binary()), "-c", str(bootstrap), "--use-dynamic-base-id",
+        self.mesh._spawn("envoy-rr", [str(paths.envoy_binary()), "-c", str(bootstrap), "--use-dynamic-base-id",
                                          "--concurrency", "2", "--log-level", "warn"])
         primary = policy.pools[self.interactive_pool].models[0]
         model_path = primary.path or str(self.mesh.models_dir / primary.name)
