@@ -1,7 +1,7 @@
 //! infermesh proxy-wasm filter.
 //!
-//! The decision logic lives in [`config`] and [`classify`] and makes no host calls, so it is
-//! tested natively with `cargo test`. The proxy-wasm glue in `glue.rs` is compiled for wasm32 only.
+//! The decision logic lives in [`config`], [`classify`] and [`body`] (whose bytes `json_scan`
+//! reads) and makes no host calls, so it is tested natively with `cargo test`. The proxy-wasm glue in `glue.rs` is compiled for wasm32 only.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod body;
