@@ -20,8 +20,6 @@ from .envoy_resources import (
     listener,
     pool_clusters,
 )
-# Still imported from here by mesh-config/tests/test_policy.py; new code imports it from envoy_resources.
-from .envoy_resources import route_config  # noqa: F401
 
 __all__ = ["MeshListener", "PoolEndpoint", "bootstrap", "write_bootstrap"]
 

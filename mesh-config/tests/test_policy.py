@@ -92,7 +92,7 @@ def test_degraded_overlay():
 
 
 def test_degraded_routes_spill_and_shed_at_the_edge():
-    from infermesh.meshconfig.envoy_bootstrap import route_config
+    from infermesh.meshconfig.envoy_resources import route_config
 
     listener = LocalMeshPlan().listener(Path("/x.wasm"))
     listener.spill, listener.shed_classes = {"interactive": "batch"}, ["batch"]
