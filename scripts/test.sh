@@ -7,6 +7,7 @@ t0=$SECONDS
 PY="$(scripts/setup.sh)"
 echo "test: setup done in $((SECONDS - t0))s" >&2
 scripts/setup-chart-tools.sh >/dev/null  # Helm and the Kubernetes/Istio schemas for charts/tests
+scripts/setup-istiod.sh >/dev/null  # istiod for e2e/test_istiod_e2e.py (built once; docs/kubernetes.md)
 
 echo "== filter: cargo test (native) ==" >&2
 (cd filter && INFERMESH_FUZZ_SECS="${INFERMESH_FUZZ_SECS:-5}" cargo test --release --quiet 2>&1)

@@ -1,0 +1,418 @@
+"""e2e: real istiod turns the chart's own rendered resources into the config of our Envoy, acting
+as the Istio ingress gateway, in front of the real vLLM sidecars.
+
+istiod is Istio's discovery server built from the istio.io/istio module (e2e/istiod, built by
+scripts/setup-istiod.sh) reading `helm template charts/infermesh` output; no Kubernetes API
+server: the pool Services become the ServiceEntries Istio would derive from them, with the local
+sidecars' loopback ports as endpoints. Envoy (upstream, with the compiled filter) connects as a
+`router` node carrying the gateway pods' labels. Requests are checked by what the sidecars report
+(`x-infermesh-served-by`), and what istiod emitted by Envoy's own /config_dump.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+import yaml
+
+from charts.tests.helm_render import NAMESPACE, Helm
+from infermesh import paths
+from infermesh.launcher import LocalMesh, _die_with_parent, free_ports, wait_until
+from infermesh.meshconfig.envoy_resources import POOL_LIMITS, circuit_breakers, outlier_detection
+from infermesh.meshconfig.xds_server import xds_bootstrap
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+GATEWAY_NS = "istio-ingress"
+GATEWAY_LABELS = {"istio": "ingress"}  # the chart's default filter.selector / ingress.selector
+# The Istio version the gateway proxy says it runs (node metadata): the pinned module's.
+ISTIO_PROXY_VERSION = "1.31.0"
+FILTER_NAME = f"{GATEWAY_NS}.infermesh-filter"  # the EnvoyFilter form's name of the filter (and its ECDS config)
+TRAFFIC_EXTENSION = "extensions.istio.io/trafficextension/"  # Istio's prefix for a translated WasmPlugin's
+ROUTER = "envoy.filters.http.router"
+CHAT = [{"role": "user", "content": "Say hello."}]
+
+
+def _setup(script: str) -> dict[str, str]:
+    r = subprocess.run([str(REPO / "scripts" / script)], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr
+    return dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+
+
+@pytest.fixture(scope="module")
+def helm() -> Helm:
+    tools = _setup("setup-chart-tools.sh")
+    versions = dict(line.split(" ", 1) for line in (Path(tools["SCHEMAS"]) / "VERSIONS").read_text().splitlines())
+    return Helm(tools["HELM"], versions["kubernetes"].lstrip("v"))
+
+
+@pytest.fixture(scope="module")
+def istiod_binary() -> str:
+    return _setup("setup-istiod.sh")["ISTIOD"]
+
+
+def pool_service_entries(rendered: list[dict], mesh: LocalMesh) -> list[dict]:
+    """The ServiceEntry Istio derives from each pool Service of the chart and its endpoints:
+    the Service's ports (name, number, protocol from appProtocol), the pod's container port the
+    targetPort names, here the local sidecar's port of that name."""
+    deployments = {d["metadata"]["labels"].get("infermesh.io/pool"): d for d in rendered if d["kind"] == "Deployment"}
+    entries = []
+    for svc in rendered:
+        pool = svc["metadata"]["labels"].get("infermesh.io/pool")
+        if svc["kind"] != "Service" or pool is None:
+            continue
+        local = next(p for p in mesh.plan.pools if p.name == pool)
+        local_ports = {"http": local.http_port, "grpc": local.grpc_port}
+        container = deployments[pool]["spec"]["template"]["spec"]["containers"][0]
+        named = {p["name"] for p in container["ports"]}
+        ports, targets = [], {}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in named, f"{svc['metadata']['name']}: targetPort {port['targetPort']} is no container port"
+            ports.append({"name": port["name"], "number": port["port"], "protocol": port["appProtocol"].upper()})
+            targets[port["name"]] = local_ports[port["targetPort"]]
+        entries.append({
+            "apiVersion": "networking.istio.io/v1",
+            "kind": "ServiceEntry",
+            "metadata": {"name": svc["metadata"]["name"], "namespace": svc["metadata"]["namespace"]},
+            "spec": {
+                "hosts": [f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.cluster.local"],
+                "location": "MESH_INTERNAL",
+                "resolution": "STATIC",
+                "ports": ports,
+                "endpoints": [{"address": "127.0.0.1", "ports": targets, "labels": svc["spec"]["selector"]}],
+            },
+        })
+    return entries
+
+
+def on_loopback(rendered: list[dict], port: int) -> list[dict]:
+    """The chart's objects with the one change this machine needs: the Gateway's server bound to
+    127.0.0.1 (a real gateway listens on every address of its pod)."""
+    out = copy.deepcopy(rendered)
+    for o in out:
+        if o["kind"] == "Gateway":
+            for server in o["spec"]["servers"]:
+                assert server["port"]["number"] == port
+                server["bind"] = "127.0.0.1"
+    return out
+
+
+@dataclass
+class IstioGateway:
+    """istiod (from a directory of YAML) and Envoy as the gateway proxy it configures."""
+
+    istiod: subprocess.Popen
+    envoy: subprocess.Popen
+    run_dir: Path
+    port: int
+    admin_port: int
+    form: "Form"
+    objects: list[dict]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def config_dump(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/config_dump?include_eds", timeout=10) as r:
+            return json.loads(r.read())
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n" + (self.run_dir / n).read_text(errors="replace")[-4000:] for n in ("istiod.log", "envoy.log"))
+
+    def stop(self) -> None:
+        for p in (self.envoy, self.istiod):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+def start_gateway(istiod_binary: str, form: "Form", objects: list[dict], config: list[dict], run_dir: Path, port: int) -> IstioGateway:
+    """istiod reading `config` (the chart's `objects` as this machine runs them), then Envoy."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    conf = run_dir / "config"
+    conf.mkdir()
+    (conf / "resources.yaml").write_text(yaml.safe_dump_all(config, sort_keys=False))
+    xds_port, debug_port, admin_port = free_ports(3)
+    istiod = subprocess.Popen(
+        [istiod_binary, "--config", str(conf), "--xds", f"127.0.0.1:{xds_port}", "--debug", f"127.0.0.1:{debug_port}"],
+        stdout=subprocess.PIPE, stderr=open(run_dir / "istiod.log", "wb"), stdin=subprocess.DEVNULL, text=True,
+        preexec_fn=_die_with_parent,
+    )
+    first = istiod.stdout.readline()  # "xds ADDR" once pushes are ready, or EOF if it failed
+    assert first.startswith("xds "), "istiod did not start:\n" + (run_dir / "istiod.log").read_text(errors="replace")[-6000:]
+
+    boot = xds_bootstrap(admin_port, "127.0.0.1", xds_port, node_id=f"router~127.0.0.1~istio-ingress-e2e.{GATEWAY_NS}~{GATEWAY_NS}.svc.cluster.local")
+    # What istio-agent would tell istiod about the gateway pod (Istio's proxy metadata keys).
+    boot["node"] = {**boot["node"], "cluster": f"istio-ingress.{GATEWAY_NS}", "metadata": {
+        "NAMESPACE": GATEWAY_NS, "CLUSTER_ID": "Kubernetes", "ISTIO_VERSION": ISTIO_PROXY_VERSION, "LABELS": GATEWAY_LABELS,
+        "NAME": "istio-ingress-e2e", "WORKLOAD_NAME": "istio-ingress", "SERVICE_ACCOUNT": "istio-ingress", "INSTANCE_IPS": "127.0.0.1",
+    }}
+    (run_dir / "envoy.json").write_text(json.dumps(boot, indent=2))
+    envoy = subprocess.Popen(
+        [str(paths.envoy_binary()), "-c", str(run_dir / "envoy.json"), "--use-dynamic-base-id", "--concurrency", "2",
+         "--log-level", "warn", "--drain-time-s", "1"],
+        stdout=open(run_dir / "envoy.log", "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+    )
+    gw = IstioGateway(istiod, envoy, run_dir, port, admin_port, form, objects)
+
+    def serving() -> bool:
+        if envoy.poll() is not None or istiod.poll() is not None:
+            raise AssertionError("istiod or Envoy exited:\n" + gw.logs())
+        try:
+            return httpx.get(gw.base_url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(serving, 60, every=0.2, what="the gateway listener from istiod to route to the default pool")
+    except BaseException:
+        gw.stop()
+        print(gw.logs())
+        raise
+    return gw
+
+
+# -- the chart's forms ---------------------------------------------------------------------------------
+
+DEFAULT_POLICY = REPO / "charts" / "infermesh" / "files" / "default-policy.yaml"
+
+
+def header_only_policy(**filter_settings) -> dict:
+    """The chart's default policy without its body rule (chat-bulk)."""
+    policy = yaml.safe_load(DEFAULT_POLICY.read_text())
+    policy["rules"] = [r for r in policy["rules"] if "body" not in r.get("match", {})]
+    if filter_settings:
+        policy["filter"] = filter_settings
+    return policy
+
+
+@dataclass(frozen=True)
+class Form:
+    name: str
+    policy: dict | None  # None: the chart's default values
+    kind: str  # the filter object the chart must render
+    body_rules: bool
+    native: bool  # header rules decided by the routes, the filter off on them
+
+
+FORMS = [
+    Form("body-rules", None, "EnvoyFilter", body_rules=True, native=True),
+    # Trusted sources keep every decision in the filter (only it can tell a trusted peer): no
+    # native route, so the chart's WasmPlugin.
+    Form("header-rules-wasmplugin", header_only_policy(trusted_cidrs=["10.99.0.0/16"]), "WasmPlugin", body_rules=False, native=False),
+    Form("header-rules-native", header_only_policy(), "EnvoyFilter", body_rules=False, native=True),
+]
+
+
+def render(helm: Helm, form: Form, port: int, work: Path) -> list[dict]:
+    wasm = paths.filter_wasm()
+    values = []
+    if form.policy is not None:
+        (work / "policy.yaml").write_text(yaml.safe_dump(form.policy, sort_keys=False))
+        # The user's path: policy and what the chart derives from it, as values.
+        r = subprocess.run([sys.executable, "-m", "infermesh.cli", "policy", "render", str(work / "policy.yaml"), "helm-values"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        (work / "values.json").write_text(r.stdout)
+        values.append(work / "values.json")
+    sets = [f"filter.url=file://{wasm}", f"filter.sha256={hashlib.sha256(wasm.read_bytes()).hexdigest()}", f"ingress.port={port}"]
+    objects = helm.template(values=values, sets=sets).objects
+    kinds = {o["kind"] for o in objects}
+    assert form.kind in kinds and kinds >= {"Gateway", "VirtualService", "DestinationRule"}, kinds
+    return objects
+
+
+@pytest.fixture(scope="module", params=FORMS, ids=lambda f: f.name)
+def gateway(request, helm, istiod_binary, local_mesh, tmp_path_factory):
+    form: Form = request.param
+    work = tmp_path_factory.mktemp(f"istiod-{form.name}")
+    (port,) = free_ports(1)
+    objects = render(helm, form, port, work)
+    config = on_loopback(objects, port) + pool_service_entries(objects, local_mesh)
+    gw = start_gateway(istiod_binary, form, objects, config, work, port)
+    yield gw
+    gw.stop()
+
+
+# -- what istiod emitted ---------------------------------------------------------------------------
+
+
+def dump_of(dump: dict, kind: str) -> dict:
+    return next(c for c in dump["configs"] if c["@type"] == f"type.googleapis.com/envoy.admin.v3.{kind}")
+
+
+def gateway_hcm(dump: dict, port: int) -> dict:
+    listeners = [entry["active_state"]["listener"] for entry in dump_of(dump, "ListenersConfigDump").get("dynamic_listeners", [])
+                 if "active_state" in entry]
+    ours = [lst for lst in listeners if lst["address"]["socket_address"].get("port_value") == port]
+    assert len(ours) == 1, [lst["name"] for lst in listeners]
+    (chain,) = ours[0]["filter_chains"]
+    return next(f for f in chain["filters"] if f["name"] == "envoy.filters.network.http_connection_manager")["typed_config"]
+
+
+def ecds_filter(dump: dict, name: str) -> dict:
+    found = [f["ecds_filter"] for c in dump["configs"] if c["@type"].endswith("EcdsConfigDump")
+             for f in c.get("ecds_filters", []) if f["ecds_filter"]["name"] == name]
+    assert len(found) == 1, f"{len(found)} ECDS filters named {name}"
+    return found[0]["typed_config"]
+
+
+def gateway_routes(dump: dict) -> list[dict]:
+    configs = [c["route_config"] for c in dump_of(dump, "RoutesConfigDump").get("dynamic_route_configs", [])]
+    return [r for rc in configs for vh in rc.get("virtual_hosts", []) for r in vh.get("routes", [])]
+
+
+def pool_clusters(dump: dict) -> dict[str, dict]:
+    clusters = [c["cluster"] for c in dump_of(dump, "ClustersConfigDump").get("dynamic_active_clusters", [])]
+    return {c["name"]: c for c in clusters if c["name"].startswith("outbound|") and f".{NAMESPACE}.svc." in c["name"]}
+
+
+# Filters Istio puts in an HTTP chain to authenticate or authorize (none in this gateway's, but
+# the filter has to come after any of them).
+AUTH_FILTERS = {"envoy.filters.http.jwt_authn", "envoy.filters.http.rbac", "envoy.filters.http.ext_authz"}
+
+
+def test_istiod_puts_the_filter_where_the_chart_says(gateway):
+    """EnvoyFilter: right before the router (its INSERT_BEFORE patch). WasmPlugin without a phase:
+    where Istio puts an unspecified phase, after authentication and authorization and before its
+    own gRPC stats, fault and CORS filters; Istio names it, translated to a TrafficExtension."""
+    dump = gateway.config_dump()
+    hcm = gateway_hcm(dump, gateway.port)
+    names = [f["name"] for f in hcm["http_filters"]]
+    ours = [n for n in names if n == FILTER_NAME or n.startswith(f"{TRAFFIC_EXTENSION}{FILTER_NAME}~")]
+    assert len(ours) == 1, names
+    (name,) = ours
+    assert names[-1] == ROUTER, names
+    if gateway.form.kind == "EnvoyFilter":
+        assert name == FILTER_NAME and names[-2] == name, names
+    else:
+        assert names.index(name) < names.index("envoy.filters.http.fault") < names.index(ROUTER), names
+    assert not AUTH_FILTERS & set(names[names.index(name):]), names
+    config = ecds_filter(dump, name)["config"]
+    assert config["vm_config"]["code"]["local"]["filename"] == str(paths.filter_wasm())
+    if gateway.form.body_rules:  # the filter pauses for the body: without this the request hangs
+        assert config["allow_on_headers_stop_iteration"] is True
+    assert [r["name"] for r in json.loads(config["configuration"]["value"])["rules"]][:1] == (
+        ["chat-bulk"] if gateway.form.body_rules else ["chat"])
+    # Native rules: client x-infermesh-* headers removed before the route is chosen.
+    strips = [m["typed_config"] for m in hcm.get("early_header_mutation_extensions", [])]
+    assert bool(strips) is gateway.form.native, strips
+
+
+def test_istiod_applies_the_route_patches(gateway):
+    """The body buffer on every route (body rules) and the filter off on natively decided routes:
+    the EnvoyFilter's HTTP_ROUTE patches found their routes by name."""
+    routes = {r["name"]: r for r in gateway_routes(gateway.config_dump())}
+    vs = next(o for o in gateway.objects if o["kind"] == "VirtualService" and o["spec"].get("gateways") != ["mesh"])
+    assert set(routes) == {r["name"] for r in vs["spec"]["http"]}, sorted(routes)
+    patches = {}
+    for o in gateway.objects:
+        if o["kind"] == "EnvoyFilter":
+            for p in o["spec"]["configPatches"]:
+                if p["applyTo"] == "HTTP_ROUTE":
+                    patches[p["match"]["routeConfiguration"]["vhost"]["route"]["name"]] = p["patch"]["value"]
+    for name, r in routes.items():
+        assert r["route"]["timeout"] == "0s", (name, r["route"])  # a streamed completion is never cut
+        want = patches.get(name, {})
+        assert r.get("per_request_buffer_limit_bytes") == want.get("per_request_buffer_limit_bytes"), (name, r)
+        off = r.get("typed_per_filter_config", {}).get(FILTER_NAME, {}).get("disabled", False)
+        assert off is ("typed_per_filter_config" in want), (name, r)
+    if gateway.form.body_rules:
+        assert all(r.get("per_request_buffer_limit_bytes") == 3 * 1024 * 1024 for r in routes.values())
+    assert any("typed_per_filter_config" in p for p in patches.values()) is gateway.form.native
+
+
+def test_pool_clusters_have_the_policys_limits_and_no_admin_port(gateway, local_mesh):
+    dump = gateway.config_dump()
+    clusters = pool_clusters(dump)
+    assert len(clusters) == 2 * len(local_mesh.plan.pools), sorted(clusters)
+    want_breakers = circuit_breakers(POOL_LIMITS)["thresholds"][0]
+    want_outlier = outlier_detection(POOL_LIMITS)
+    # Envoy's JSON leaves out fields at their default: the DEFAULT priority, 100 % enforcement.
+    defaults = {"priority": "DEFAULT", "enforcing_consecutive_local_origin_failure": 100, "enforcing_consecutive_gateway_failure": 0}
+    for name, c in clusters.items():
+        (thresholds,) = c["circuit_breakers"]["thresholds"]
+        assert {k: thresholds.get(k, defaults.get(k)) for k in want_breakers} == want_breakers, (name, thresholds)
+        od = c["outlier_detection"]
+        assert {k: od.get(k, defaults.get(k)) for k in want_outlier} == want_outlier, (name, od)
+        assert c["connect_timeout"] == POOL_LIMITS.connect_timeout, (name, c["connect_timeout"])
+        assert not any(f"|{port}|" in name for port in (8301, 8401)), name
+    # Every endpoint istiod sends is a serving front; no sidecar's admin API is reachable.
+    ports = {lb["endpoint"]["address"]["socket_address"]["port_value"]
+             for e in dump_of(dump, "EndpointsConfigDump").get("dynamic_endpoint_configs", [])
+             for group in e["endpoint_config"].get("endpoints", []) for lb in group.get("lb_endpoints", [])}
+    assert ports == {p.http_port for p in local_mesh.plan.pools} | {p.grpc_port for p in local_mesh.plan.pools}
+    assert not ports & ({p.admin_port for p in local_mesh.plan.pools} | {p.admin_grpc_port for p in local_mesh.plan.pools})
+
+
+# -- real requests -----------------------------------------------------------------------------------
+
+
+def served_by(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text[:500]
+    return r.headers["x-infermesh-served-by"]
+
+
+def test_chat_streams_from_the_interactive_pool(gateway):
+    client = openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(model="tiny-llama", messages=CHAT, stream=True, max_tokens=8)
+    pieces = [ch.delta.content for chunk in raw.parse() for ch in chunk.choices if ch.delta.content]
+    assert raw.headers["x-infermesh-served-by"] == "interactive/0"
+    assert len(pieces) >= 2
+
+
+def test_completions_go_to_batch_and_spoofed_headers_are_ignored(gateway):
+    body = {"model": "tiny-llama", "prompt": "Summarize: the mesh routes", "max_tokens": 4, "temperature": 0}
+    assert served_by(httpx.post(gateway.base_url + "/v1/completions", json=body, timeout=60)) == "batch/0"
+    spoof = {"x-infermesh-pool": "interactive", "x-infermesh-class": "interactive", "x-infermesh-rule": "chat"}
+    assert served_by(httpx.post(gateway.base_url + "/v1/completions", json=body, headers=spoof, timeout=60)) == "batch/0"
+    spoof = {"x-infermesh-pool": "batch", "x-infermesh-class": "batch"}
+    chat = {"model": "tiny-llama", "messages": CHAT, "max_tokens": 4, "temperature": 0}
+    assert served_by(httpx.post(gateway.base_url + "/v1/chat/completions", json=chat, headers=spoof, timeout=60)) == "interactive/0"
+
+
+def test_a_long_non_streaming_chat_is_decided_on_its_body(gateway):
+    """chat-bulk (stream false, max_tokens >= 1024) sends it to batch, though it is a chat."""
+    if not gateway.form.body_rules:
+        pytest.skip("no body rule in this form (and the interactive models' 1024-token context cannot take the request)")
+    bulk = {"model": "tiny-llama", "messages": CHAT, "stream": False, "max_tokens": 1024, "temperature": 0}
+    assert served_by(httpx.post(gateway.base_url + "/v1/chat/completions", json=bulk, timeout=120)) == "batch/0"
+
+
+def test_grpc_generate_reaches_the_interactive_grpc_port(gateway):
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as ch:
+        call = pb_grpc.InferenceStub(ch).Generate(
+            pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hi")]), max_tokens=4, temperature=0),
+            metadata=(("x-infermesh-pool", "batch"),),
+            timeout=60,
+        )
+        msgs = list(call)
+        trailers = dict(call.trailing_metadata())
+    assert msgs[-1].final.served_by == "interactive/0"
+    assert trailers["x-infermesh-served-by"] == "interactive/0"
+    grpc_port = next(p["port"] for o in gateway.objects if o["kind"] == "Service" and o["metadata"]["name"] == "infermesh-interactive"
+                     for p in o["spec"]["ports"] if p["name"] == "grpc")
+    # Istio names the cluster's stats "outbound|PORT||HOST;" (its alt_stat_name).
+    stat = f"cluster.outbound|{grpc_port}||infermesh-interactive.{NAMESPACE}.svc.cluster.local;.upstream_rq_total: "
+    stats = httpx.get(f"http://127.0.0.1:{gateway.admin_port}/stats?filter=upstream_rq_total", timeout=5).text.splitlines()
+    (line,) = [x for x in stats if x.startswith(stat)]
+    assert int(line.removeprefix(stat)) >= 1, line
