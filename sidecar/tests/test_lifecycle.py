@@ -42,6 +42,21 @@ def req(**kw) -> GenerationRequest:
     return GenerationRequest(model=None, prompt="abcd", request_class="interactive", **kw)
 
 
+async def held_stream(pool, front: Front, api: str) -> asyncio.Task:
+    """A consumer inside a lifecycle, its request held by the fake engine after the first token."""
+    pool.primary.engine.gate = asyncio.Event()
+    first = asyncio.Event()
+
+    async def consume():
+        async with pool.lifecycle(req(), front, api) as life:
+            async for _ in life.events():
+                first.set()
+
+    task = asyncio.create_task(consume())
+    await first.wait()
+    return task
+
+
 def test_normal_end_admits_records_once_and_releases_without_abort(make_pool):
     pool = make_pool(CFG)
     llm = pool.primary.engine
@@ -89,16 +104,7 @@ def test_cancellation_mid_stream_aborts_in_vllm_and_records_once(make_pool):
     llm = pool.primary.engine
 
     async def run():
-        llm.gate = asyncio.Event()  # hold the request after its first step
-        first = asyncio.Event()
-
-        async def consume():
-            async with pool.lifecycle(req(), Front.GRPC, "generate") as life:
-                async for _ in life.events():
-                    first.set()
-
-        task = asyncio.create_task(consume())
-        await first.wait()
+        task = await held_stream(pool, Front.GRPC, "generate")
         assert llm.unfinished and pool.inflight == 1
         task.cancel()  # a passed deadline or a cancelled RPC
         with pytest.raises(asyncio.CancelledError):
@@ -118,16 +124,7 @@ def test_the_abort_reaches_vllm_when_the_stream_is_cancelled_again_at_every_awai
     llm.abort_delay = 0.01
 
     async def run():
-        llm.gate = asyncio.Event()
-        first = asyncio.Event()
-
-        async def consume():
-            async with pool.lifecycle(req(), Front.HTTP, "chat") as life:
-                async for _ in life.events():
-                    first.set()
-
-        task = asyncio.create_task(consume())
-        await first.wait()
+        task = await held_stream(pool, Front.HTTP, "chat")
         while not task.done():
             task.cancel()
             await asyncio.sleep(0)
