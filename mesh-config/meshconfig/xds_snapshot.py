@@ -8,6 +8,7 @@ it is ever served.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -145,12 +146,17 @@ def mesh_listener(policy: Policy, target: MeshTarget, levels: dict[str, int] | N
 def build_snapshot(policy: Policy, target: MeshTarget, levels: dict[str, int] | None = None) -> Snapshot:
     """The checked snapshot for a policy, the target and the pools' levels."""
     m = mesh_listener(policy, target, levels)
+
+    def parse(d: dict, msg):
+        # On a copy: ParseDict deletes and re-adds each Any's "@type" in the dict it reads, and the
+        # parts hand out shared constants, which would come back reordered for every later user.
+        return json_format.ParseDict(copy.deepcopy(d), msg)
+
     resources = {
-        CLUSTER_TYPE: [json_format.ParseDict(cluster(m, p, grpc, eds=True), cluster_pb2.Cluster()) for p, grpc in pool_clusters(m)],
-        ENDPOINT_TYPE: [json_format.ParseDict(load_assignment(m, p.pool, grpc), endpoint_pb2.ClusterLoadAssignment())
-                        for p, grpc in pool_clusters(m)],
-        LISTENER_TYPE: [json_format.ParseDict(listener(m, http_connection_manager(m, rds_routes())), listener_pb2.Listener())],
-        ROUTE_TYPE: [json_format.ParseDict(route_config(m), route_pb2.RouteConfiguration())],
+        CLUSTER_TYPE: [parse(cluster(m, p, grpc, eds=True), cluster_pb2.Cluster()) for p, grpc in pool_clusters(m)],
+        ENDPOINT_TYPE: [parse(load_assignment(m, p.pool, grpc), endpoint_pb2.ClusterLoadAssignment()) for p, grpc in pool_clusters(m)],
+        LISTENER_TYPE: [parse(listener(m, http_connection_manager(m, rds_routes())), listener_pb2.Listener())],
+        ROUTE_TYPE: [parse(route_config(m), route_pb2.RouteConfiguration())],
     }
     digest = hashlib.sha256()
     for t in (LISTENER_TYPE, CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE):

@@ -3,6 +3,9 @@ consistency before it is served, and following the pools' levels (degraded-mode 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +71,22 @@ def test_a_route_to_a_cluster_the_snapshot_lacks_is_refused():
     rc.virtual_hosts[0].routes[0].route.cluster = "pool_nowhere"
     with pytest.raises(InconsistentSnapshot, match="pool_nowhere"):
         Snapshot("x", dict(snap.resources, **{ROUTE_TYPE: [rc]})).check()
+
+
+def test_building_a_snapshot_leaves_the_shared_parts_as_they_were():
+    # protobuf's ParseDict deletes and re-adds an Any's "@type" in the dict it reads; shared
+    # constants of the parts came back reordered, and the chart's generated values with them.
+    # A fresh interpreter: earlier tests in this one have built snapshots already.
+    script = """
+import json
+from pathlib import Path
+from infermesh.meshconfig import istio
+from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy
+from infermesh.meshconfig.xds_snapshot import MeshTarget, build_snapshot
+policy = load_policy(LOCAL_POLICY)
+before = json.dumps(istio.chart_parts(policy))
+build_snapshot(policy, MeshTarget("127.0.0.1", 8080, Path("/x.wasm"), {p: ("127.0.0.1", 8101 + i, 8201 + i) for i, p in enumerate(policy.pools)}))
+print(json.dumps(istio.chart_parts(policy)) == before)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
