@@ -15,6 +15,7 @@ from .pool import Pool
 from .proto.infermesh.v1 import inference_pb2 as pb
 from .proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 from .requests import GenerationRequest, TokenDelta
+from .response_headers import identity_headers
 
 log = logging.getLogger("infermesh.sidecar.grpc")
 
@@ -83,14 +84,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     if isinstance(ev, TokenDelta):
                         yield pb.GenerateResponse(request_id=rid, chunk=pb.TokenChunk(text=ev.text, token_ids=ev.token_ids, index=ev.index))
                         continue
-                    context.set_trailing_metadata(
-                        (
-                            ("x-infermesh-model", ev.model),
-                            ("x-infermesh-degraded", "true" if ev.degraded else "false"),
-                            ("x-infermesh-served-by", served_by),
-                        )
-                        + ((("x-infermesh-degraded-reason", ev.degraded_reason),) if ev.degraded_reason else ())
-                    )
+                    context.set_trailing_metadata(tuple(identity_headers(self.pool, ev.model, ev.degraded, ev.degraded_reason).items()))
                     usage = pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                                      total_tokens=ev.prompt_tokens + ev.completion_tokens)
                     yield pb.GenerateResponse(

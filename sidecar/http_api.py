@@ -21,6 +21,7 @@ from .errors import BadRequest, PayloadTooLarge, SidecarError
 from .lifecycle import Front, RequestLifecycle
 from .pool import Pool
 from .requests import Completion, GenerationRequest, TokenDelta
+from .response_headers import identity_headers
 
 log = logging.getLogger("infermesh.sidecar.http")
 
@@ -169,7 +170,7 @@ def build_app(pool: Pool) -> FastAPI:
             rid = ("chatcmpl-" if api == "chat" else "cmpl-") + adm.request_id
             model = adm.engine.config.name
             gen = _sse(life, api, rid, created, model, include_usage, cfg.served_by, req.n)
-            headers = _identity_headers(cfg.served_by, model, adm.degraded, adm.degraded_reason)
+            headers = identity_headers(pool, model, adm.degraded, adm.degraded_reason)
             return _LifecycleStream(life, gen, media_type="text/event-stream",
                                     headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
@@ -199,7 +200,7 @@ def build_app(pool: Pool) -> FastAPI:
             "choices": choices,
             "usage": _usage(final, cfg.served_by),
         }
-        return JSONResponse(out, headers=_identity_headers(cfg.served_by, final.model, final.degraded, final.degraded_reason))
+        return JSONResponse(out, headers=identity_headers(pool, final.model, final.degraded, final.degraded_reason))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -210,13 +211,6 @@ def build_app(pool: Pool) -> FastAPI:
         return await serve(request, "completions")
 
     return app
-
-
-def _identity_headers(served_by: str, model: str, degraded: bool = False, reason: str = "") -> dict[str, str]:
-    h = {"x-infermesh-model": model, "x-infermesh-degraded": "true" if degraded else "false", "x-infermesh-served-by": served_by}
-    if degraded and reason:
-        h["x-infermesh-degraded-reason"] = reason
-    return h
 
 
 class _LifecycleStream(StreamingResponse):
