@@ -22,6 +22,7 @@ from .lifecycle import Front, RequestLifecycle
 from .pool import Pool
 from .requests import Completion, GenerationRequest, TokenDelta
 from .response_headers import identity_headers
+from . import state_api
 
 log = logging.getLogger("infermesh.sidecar.http")
 
@@ -210,6 +211,7 @@ def build_app(pool: Pool) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await serve(request, "completions")
 
+    state_api.install(app, pool)
     return app
 
 

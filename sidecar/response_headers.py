@@ -8,14 +8,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from infermesh.settings import LEVEL_DOWN
+
 if TYPE_CHECKING:
     from .pool import Pool
 
+POOL_LEVEL_HEADER = "x-infermesh-pool-level"
+"""`POOL;LEVEL;REPLICA`: the filter's pool state table reads it (filter/src/pool_state.rs) and
+strips it before the client; it is internal to the mesh, like every `x-infermesh-*` header."""
+
+
+def pool_level(pool: "Pool") -> int:
+    """The replica's degradation level as the mesh counts it: its breakers' level (0-3), or
+    LEVEL_DOWN while it is not ready or draining (as the control plane's watcher counts it)."""
+    if not pool.ready or pool.admission.draining:
+        return LEVEL_DOWN
+    return pool.policy.level
+
+
+def pool_level_value(pool: "Pool") -> str:
+    cfg = pool.config
+    return f"{cfg.pool};{pool_level(pool)};{cfg.instance}"
+
 
 def identity_headers(pool: "Pool", model: str, degraded: bool = False, reason: str = "") -> dict[str, str]:
-    """`x-infermesh-model`, `x-infermesh-degraded` (and `-reason`), `x-infermesh-served-by`."""
+    """`x-infermesh-model`, `x-infermesh-degraded` (and `-reason`), `x-infermesh-served-by`,
+    and the replica's pool level (`x-infermesh-pool-level`)."""
     h = {"x-infermesh-model": model, "x-infermesh-degraded": "true" if degraded else "false",
-         "x-infermesh-served-by": pool.config.served_by}
+         "x-infermesh-served-by": pool.config.served_by, POOL_LEVEL_HEADER: pool_level_value(pool)}
     if degraded and reason:
         h["x-infermesh-degraded-reason"] = reason
     return h

@@ -143,3 +143,25 @@ def test_delta_frames_are_byte_for_byte_the_generic_encoding(api, include_usage)
             if include_usage:
                 payload["usage"] = None
             assert frame(index, text) == b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_every_response_carries_the_pool_level_and_the_state_endpoint_is_read_only(client, monkeypatch):
+    """The filter's pool state table reads `x-infermesh-pool-level` (POOL;LEVEL;REPLICA) from
+    generation responses, refusals included, and probes GET /infermesh/state for idle pools."""
+    r = client.post("/v1/completions", json={"prompt": "say", "max_tokens": 3})
+    assert r.headers["x-infermesh-pool-level"] == "interactive;0;0"
+    assert r.headers.get_list("x-infermesh-pool-level") == ["interactive;0;0"]
+    bad = client.post("/v1/completions", json={"prompt": 3})
+    assert bad.status_code == 400 and bad.headers["x-infermesh-pool-level"] == "interactive;0;0"
+    s = client.get("/infermesh/state")
+    assert s.status_code == 200 and s.json() == {"pool": "interactive", "instance": "0", "level": 0, "ready": True}
+    assert s.headers["x-infermesh-pool-level"] == "interactive;0;0"
+    monkeypatch.setattr(type(client.pool.policy), "level", property(lambda self: 3))  # breakers at critical-only
+    assert client.get("/infermesh/state").json()["level"] == 3
+    assert client.post("/v1/completions", json={"prompt": "say"}).headers["x-infermesh-pool-level"].split(";")[1] == "3"
+    client.pool.admission.draining = True  # not serving: past every level, as the control plane counts it
+    assert client.get("/infermesh/state").headers["x-infermesh-pool-level"] == "interactive;4;0"
+    # Nothing to act on: no other method, no sub-path.
+    assert client.post("/infermesh/state").status_code == 405
+    assert client.delete("/infermesh/state").status_code == 405
+    assert client.get("/infermesh/state/faults").status_code == 404
