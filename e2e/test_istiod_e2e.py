@@ -416,3 +416,80 @@ def test_grpc_generate_reaches_the_interactive_grpc_port(gateway):
     stats = httpx.get(f"http://127.0.0.1:{gateway.admin_port}/stats?filter=upstream_rq_total", timeout=5).text.splitlines()
     (line,) = [x for x in stats if x.startswith(stat)]
     assert int(line.removeprefix(stat)) >= 1, line
+
+
+def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
+    """Degraded-mode routing through an Envoy configured by istiod: the chart's policy spills
+    interactive to batch and sheds batch while interactive is at level 3. The filter learns the
+    level from the sidecars' responses (under traffic) and from its probe of the state endpoint
+    through `outbound|PORT||HOST` (idle); /v1/models is never shed; recovery by the same signal."""
+    if gateway.form.name != "body-rules":
+        pytest.skip("the filter applies when_degraded the same way in every form: the chart's default form shows it")
+    import threading
+    import time
+
+    from infermesh.launcher import wait_until as wait_for
+
+    admin = local_mesh.admin_url("interactive")
+    chat = {"model": "tiny-llama", "messages": CHAT, "max_tokens": 2}
+    completion = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2}
+
+    def level() -> int:
+        return local_mesh.admin_state("interactive")["level"]
+
+    def recovered() -> bool:
+        s = local_mesh.admin_state("interactive")
+        return s["level"] == 0 and all(b["state"] == "closed" for b in s["breakers"])
+
+    def degrade() -> float:
+        httpx.put(admin + "/admin/faults/error_rate", json={"value": 0.9, "duration_s": 30}, timeout=5)
+        wait_for(lambda: level() == 3, 15, every=0.02, what="critical-only")
+        return time.monotonic()
+
+    def recover() -> None:
+        httpx.delete(admin + "/admin/faults", timeout=5)
+        wait_for(recovered, 60, every=0.5, what="interactive to recover")
+        wait_for(lambda: served_by(httpx.post(gateway.base_url + "/v1/chat/completions", json=chat, timeout=60)) == "interactive/0",
+                 10, every=0.1, what="chats back on interactive")
+
+    try:
+        wait_for(recovered, 60, every=0.5, what="interactive to be at level 0")
+        # Under traffic: chats keep flowing; the first one spilled to batch ends the clock.
+        spilled: list[float] = []
+        stop = threading.Event()
+
+        def traffic() -> None:
+            while not stop.is_set():
+                r = httpx.post(gateway.base_url + "/v1/chat/completions", json=chat, timeout=60)
+                if r.status_code == 200 and r.headers.get("x-infermesh-served-by") == "batch/0" and not spilled:
+                    spilled.append(time.monotonic())
+
+        worker = threading.Thread(target=traffic, daemon=True)
+        worker.start()
+        t0 = degrade()
+        wait_for(lambda: spilled, 10, every=0.02, what="a chat spilled to the batch pool")
+        stop.set()
+        worker.join(timeout=60)
+        traffic_s = spilled[0] - t0
+        shed = httpx.post(gateway.base_url + "/v1/completions", json=completion, timeout=30)
+        assert shed.status_code == 429 and shed.headers["x-infermesh-shed-by"] == "mesh", shed.text
+        assert int(shed.headers["retry-after"]) >= 1 and shed.json()["error"]["code"] == "mesh_shedding"
+        assert "x-infermesh-pool-level" not in shed.headers
+        models = httpx.get(gateway.base_url + "/v1/models", timeout=30)
+        assert models.status_code == 200 and "x-infermesh-pool-level" not in models.headers
+        recover()
+        assert httpx.post(gateway.base_url + "/v1/completions", json=completion, timeout=60).status_code == 200
+        # Idle: no chat at all; only the filter's probe of the state endpoint can tell.
+        time.sleep(1.0)
+        t0 = degrade()
+        wait_for(lambda: httpx.post(gateway.base_url + "/v1/completions", json=completion, timeout=30).status_code == 429,
+                 10, every=0.02, what="batch shed for the idle degraded pool")
+        idle_s = time.monotonic() - t0
+        print(f"[istiod] level 3 -> first spilled chat under traffic {traffic_s * 1000:.0f} ms; "
+              f"idle pool -> first shed request {idle_s * 1000:.0f} ms (probe)")
+        assert traffic_s <= 1.0 and idle_s <= 2.0, (traffic_s, idle_s)
+        stats = httpx.get(f"http://127.0.0.1:{gateway.admin_port}/stats?filter=infermesh", timeout=5).text
+        assert "no_cluster: 0" in stats or "no_cluster" not in stats, "the probe found the pools' Istio clusters"
+    finally:
+        httpx.delete(admin + "/admin/faults", timeout=5)
+    recover()

@@ -17,6 +17,8 @@ pub const CONFIG_VERSION: u32 = 1;
 pub const HEADER_CLASS: &str = "x-infermesh-class";
 pub const HEADER_POOL: &str = "x-infermesh-pool";
 pub const HEADER_RULE: &str = "x-infermesh-rule";
+/// Set on a request `when_degraded` sent to another pool: the pool it was bound for.
+pub const HEADER_SPILLED_FROM: &str = "x-infermesh-spilled-from";
 /// Prefix of every header the filter reserves for itself.
 pub const INTERNAL_HEADER_PREFIX: &str = "x-infermesh-";
 /// Gateway API Inference Extension / llm-d: the InferenceObjective a request belongs to.
@@ -27,6 +29,14 @@ pub const HEADER_OBJECTIVE: &str = "x-gateway-inference-objective";
 /// would answer 413 on its behalf.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 256 * 1024;
 pub const MAX_MAX_BODY_BYTES: usize = 1024 * 1024 - 64 * 1024;
+
+/// Degraded-mode routing defaults (docs/filter.md): an idle pool is probed twice a second, so
+/// its state is known within ~1 s; a reading counts for 5 s; a recovered replica is held 1 s.
+pub const DEFAULT_PROBE_INTERVAL_MS: u64 = 500;
+pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 400;
+pub const DEFAULT_STALE_AFTER_MS: u64 = 5000;
+pub const DEFAULT_RECOVER_HOLD_MS: u64 = 1000;
+pub const DEFAULT_RETRY_AFTER_S: u64 = 5;
 
 // ---- raw (serde) shapes -----------------------------------------------------------------------
 
@@ -44,6 +54,56 @@ struct RawConfig {
     trusted_sources: RawTrusted,
     #[serde(default)]
     emit_objective_header: bool,
+    #[serde(default)]
+    degraded_routing: Option<RawDegraded>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDegraded {
+    pools: BTreeMap<String, RawDegradedPool>,
+    #[serde(default = "default_probe_interval")]
+    probe_interval_ms: u64,
+    #[serde(default = "default_probe_timeout")]
+    probe_timeout_ms: u64,
+    #[serde(default = "default_stale_after")]
+    stale_after_ms: u64,
+    #[serde(default = "default_recover_hold")]
+    recover_hold_ms: u64,
+    #[serde(default = "default_retry_after")]
+    retry_after_s: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDegradedPool {
+    #[serde(default = "default_at_level")]
+    at_level: u8,
+    #[serde(default)]
+    spill_to: Option<String>,
+    #[serde(default)]
+    shed_classes: Vec<String>,
+    #[serde(default)]
+    probe_cluster: Option<String>,
+}
+
+fn default_probe_interval() -> u64 {
+    DEFAULT_PROBE_INTERVAL_MS
+}
+fn default_probe_timeout() -> u64 {
+    DEFAULT_PROBE_TIMEOUT_MS
+}
+fn default_stale_after() -> u64 {
+    DEFAULT_STALE_AFTER_MS
+}
+fn default_recover_hold() -> u64 {
+    DEFAULT_RECOVER_HOLD_MS
+}
+fn default_retry_after() -> u64 {
+    DEFAULT_RETRY_AFTER_S
+}
+fn default_at_level() -> u8 {
+    crate::pool_state::LEVEL_DOWN
 }
 
 #[derive(Debug, Deserialize)]
@@ -281,6 +341,28 @@ pub struct FilterConfig {
     pub max_body_bytes: usize,
     pub trusted: TrustedSources,
     pub emit_objective_header: bool,
+    /// `when_degraded`, applied by the filter itself; `None`: no pool has it.
+    pub degraded: Option<DegradedRouting>,
+}
+
+/// One pool's `when_degraded` and how its state is learned.
+#[derive(Debug, Clone)]
+pub struct DegradedPool {
+    pub rule: crate::pool_state::PoolRule,
+    pub spill_to: Option<String>,
+    pub shed_classes: Vec<String>,
+    /// The Envoy cluster of the pool's HTTP front, for the state probe (`pool_NAME` in plain
+    /// Envoy, `outbound|PORT||HOST` in Istio); `None`: learned from traffic only.
+    pub probe_cluster: Option<String>,
+}
+
+/// Degraded-mode routing: the pools the filter keeps state for, and the timings.
+#[derive(Debug, Clone)]
+pub struct DegradedRouting {
+    pub pools: BTreeMap<String, DegradedPool>,
+    pub probe_interval_ms: u64,
+    pub probe_timeout_ms: u64,
+    pub retry_after_s: u64,
 }
 
 /// Why a configuration was refused; `field` is a JSON-path-like location.
@@ -442,6 +524,10 @@ impl FilterConfig {
             }
         }
         trusted.principals = raw.trusted_sources.principals;
+        let degraded = match raw.degraded_routing {
+            Some(d) => Some(degraded_routing(d, &classes)?),
+            None => None,
+        };
         Ok(FilterConfig {
             default_class: raw.default_class,
             default_pool,
@@ -450,6 +536,7 @@ impl FilterConfig {
             max_body_bytes: raw.body.max_bytes,
             trusted,
             emit_objective_header: raw.emit_objective_header,
+            degraded,
         })
     }
 
@@ -457,6 +544,52 @@ impl FilterConfig {
     pub fn needs_body(&self) -> bool {
         self.rules.iter().any(|r| r.body.is_some())
     }
+}
+
+fn bounded(field: &str, v: u64, lo: u64, hi: u64) -> Result<u64, ConfigError> {
+    if (lo..=hi).contains(&v) {
+        Ok(v)
+    } else {
+        Err(err(field, format!("must be between {lo} and {hi}")))
+    }
+}
+
+fn degraded_routing(d: RawDegraded, classes: &BTreeMap<String, (String, String)>) -> Result<DegradedRouting, ConfigError> {
+    let at = "degraded_routing";
+    let interval = bounded(&format!("{at}.probe_interval_ms"), d.probe_interval_ms, 50, 60_000)?;
+    let timeout = bounded(&format!("{at}.probe_timeout_ms"), d.probe_timeout_ms, 10, 60_000)?;
+    let stale = bounded(&format!("{at}.stale_after_ms"), d.stale_after_ms, 100, 3_600_000)?;
+    let hold = bounded(&format!("{at}.recover_hold_ms"), d.recover_hold_ms, 0, 3_600_000)?;
+    let retry_after_s = bounded(&format!("{at}.retry_after_s"), d.retry_after_s, 1, 3600)?;
+    let mut pools = BTreeMap::new();
+    for (name, p) in &d.pools {
+        let f = format!("{at}.pools.{name}");
+        check_token(&f, name)?;
+        if !(1..=crate::pool_state::LEVEL_DOWN).contains(&p.at_level) {
+            return Err(err(format!("{f}.at_level"), "must be between 1 and 4"));
+        }
+        if let Some(to) = &p.spill_to {
+            if to == name || !d.pools.contains_key(to) {
+                return Err(err(format!("{f}.spill_to"), format!("`{to}` must be another of the pools of degraded_routing")));
+            }
+        }
+        for (i, c) in p.shed_classes.iter().enumerate() {
+            if !classes.contains_key(c) {
+                return Err(err(format!("{f}.shed_classes[{i}]"), format!("unknown class `{c}`")));
+            }
+        }
+        if let Some(c) = &p.probe_cluster {
+            if c.is_empty() || c.len() > 256 || c.bytes().any(|b| b <= b' ' || b >= 0x7f) {
+                return Err(err(format!("{f}.probe_cluster"), "must be a cluster name (1-256 visible ASCII characters)"));
+            }
+        }
+        let rule = crate::pool_state::PoolRule { at_level: p.at_level, stale_after_ms: stale, recover_hold_ms: hold };
+        pools.insert(
+            name.clone(),
+            DegradedPool { rule, spill_to: p.spill_to.clone(), shed_classes: p.shed_classes.clone(), probe_cluster: p.probe_cluster.clone() },
+        );
+    }
+    Ok(DegradedRouting { pools, probe_interval_ms: interval, probe_timeout_ms: timeout, retry_after_s })
 }
 
 /// Class, pool and rule names end up in header values and metric names: keep them plain.
@@ -550,6 +683,29 @@ mod tests {
         assert_eq!(parse_err(&GOOD.replace("65536", "2000000")).field, "body.max_bytes");
         assert_eq!(parse_err(&GOOD.replace("\"name\": \"big\"", "\"name\": \"chat\"")).field, "rules[1].name");
         assert_eq!(parse_err(&GOOD.replace("\"name\": \"big\"", "\"name\": \"default\"")).field, "rules[1].name");
+    }
+
+    #[test]
+    fn degraded_routing_is_checked_naming_the_field() {
+        let with = |d: &str| GOOD.replace("\"emit_objective_header\": true", &format!("\"emit_objective_header\": true, \"degraded_routing\": {d}"));
+        let ok = FilterConfig::parse(with(r#"{"pools": {"gpu-a": {"at_level": 3, "spill_to": "gpu-b", "shed_classes": ["batch"],
+            "probe_cluster": "outbound|8000||gpu-a.infermesh.svc.cluster.local"}, "gpu-b": {}}, "probe_interval_ms": 250}"#).as_bytes()).unwrap();
+        let d = ok.degraded.unwrap();
+        assert_eq!((d.probe_interval_ms, d.probe_timeout_ms, d.retry_after_s), (250, DEFAULT_PROBE_TIMEOUT_MS, DEFAULT_RETRY_AFTER_S));
+        assert_eq!(d.pools["gpu-a"].rule.stale_after_ms, DEFAULT_STALE_AFTER_MS);
+        assert_eq!(d.pools["gpu-b"].probe_cluster, None);
+        assert!(FilterConfig::parse(GOOD.as_bytes()).unwrap().degraded.is_none());
+        let bad = |d: &str| parse_err(&with(d)).field;
+        assert_eq!(bad(r#"{"pools": {"gpu-a": {"spill_to": "gpu-a"}}}"#), "degraded_routing.pools.gpu-a.spill_to");
+        assert_eq!(bad(r#"{"pools": {"gpu-a": {"spill_to": "nope"}}}"#), "degraded_routing.pools.gpu-a.spill_to");
+        assert_eq!(bad(r#"{"pools": {"gpu-a": {"shed_classes": ["batch", "x"]}}}"#), "degraded_routing.pools.gpu-a.shed_classes[1]");
+        assert_eq!(bad(r#"{"pools": {"gpu-a": {"at_level": 0}}}"#), "degraded_routing.pools.gpu-a.at_level");
+        assert_eq!(bad(r#"{"pools": {"gpu-a": {"at_level": 5}}}"#), "degraded_routing.pools.gpu-a.at_level");
+        assert_eq!(bad(r#"{"pools": {"gpu a": {}}}"#), "degraded_routing.pools.gpu a");
+        assert_eq!(bad(r#"{"pools": {"gpu-a": {"probe_cluster": ""}}}"#), "degraded_routing.pools.gpu-a.probe_cluster");
+        assert_eq!(bad(r#"{"pools": {}, "probe_interval_ms": 10}"#), "degraded_routing.probe_interval_ms");
+        assert_eq!(bad(r#"{"pools": {}, "retry_after_s": 0}"#), "degraded_routing.retry_after_s");
+        assert!(parse_err(&with(r#"{"pools": {"gpu-a": {"spil_to": "gpu-b"}}}"#)).message.contains("spil_to"));
     }
 
     #[test]

@@ -4,12 +4,20 @@
 //! worker), so every host call result is handled and the fallback is always a decision from
 //! the headers alone. Body rules need `allow_on_headers_stop_iteration: true` in the plugin
 //! config (see docs/filter.md); the filter only pauses when a rule actually needs the body.
+//!
+//! Degraded-mode routing (`degraded_routing` in the config): the pool state table of
+//! `pool_state.rs` lives in proxy-wasm shared data, one record per pool, written with CAS by
+//! every worker; it is fed by the `x-infermesh-pool-level` header of upstream responses (read
+//! and stripped in the response callback) and by a probe of each pool's state endpoint on the
+//! root context's timer. After the decision, `when_degraded` sheds or spills the request.
 
 use crate::body::parse_body;
 use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE, TRUSTED_RULE};
 use crate::config::{
-    FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX,
+    DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, HEADER_SPILLED_FROM,
+    INTERNAL_HEADER_PREFIX,
 };
+use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError, Verdict, HEADER_POOL_LEVEL};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
@@ -17,6 +25,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
+use std::time::{Duration, UNIX_EPOCH};
 
 /// Parts of the body path a profiling build can leave out (feature `bench-profile`, never
 /// shipped): the VM configuration names one, so one module measures what each part costs
@@ -49,7 +58,13 @@ fn skipped(part: Part) -> bool {
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(Root { config: None, metrics: Rc::new(Metrics::default()), rejections: None })
+        Box::new(Root {
+            config: None,
+            metrics: Rc::new(Metrics::default()),
+            rejections: None,
+            states: Rc::new(PoolStates::default()),
+            probes: HashMap::new(),
+        })
     });
 }}
 
@@ -64,6 +79,40 @@ struct Metrics {
     stripped: Option<u32>,
     /// Decisions kept from trusted sources, by (class, pool): rare, defined on first use.
     trusted: RefCell<HashMap<(String, String), Option<u32>>>,
+    /// Degraded-mode routing: requests spilled, by the pool they were bound for.
+    spilled: HashMap<String, Option<u32>>,
+    /// Requests shed at the edge, by class.
+    shed: HashMap<String, Option<u32>>,
+    /// Readings not used and probes that failed, by reason (`STATE_ERRORS`).
+    state_errors: [Option<u32>; 6],
+}
+
+/// Why the pool state table could not use something: the filter then routes normally.
+#[derive(Clone, Copy)]
+enum StateError {
+    /// A response's or probe's `x-infermesh-pool-level` is not `POOL;LEVEL;REPLICA`.
+    BadHeader = 0,
+    /// It names a pool the config keeps no state for.
+    UnknownPool,
+    /// The probe got no response (timeout, reset, no healthy host).
+    ProbeFailed,
+    /// The probe got a response other than 200.
+    ProbeStatus,
+    /// The probe's cluster does not exist in this Envoy (a pool that went away, a wrong name).
+    NoCluster,
+    /// A shared-data record that does not decode, or a write that kept losing its CAS race.
+    SharedData,
+}
+
+const STATE_ERRORS: [&str; 6] = ["bad_header", "unknown_pool", "probe_failed", "probe_status", "no_cluster", "shared_data"];
+
+impl From<ReadingError> for StateError {
+    fn from(e: ReadingError) -> Self {
+        match e {
+            ReadingError::BadHeader => StateError::BadHeader,
+            ReadingError::UnknownPool => StateError::UnknownPool,
+        }
+    }
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -89,12 +138,35 @@ impl Metrics {
         for (slot, f) in fallbacks.iter_mut().zip(Fallback::ALL) {
             *slot = counter(&format!("infermesh.body_fallbacks_total.reason.{}", f.as_str()));
         }
+        let mut spilled = HashMap::new();
+        let mut shed = HashMap::new();
+        let mut state_errors = [None; 6];
+        if let Some(d) = &config.degraded {
+            for (name, p) in &d.pools {
+                if p.spill_to.is_some() {
+                    spilled.insert(name.clone(), counter(&format!("infermesh.spilled_requests_total.pool.{name}")));
+                }
+                for c in &p.shed_classes {
+                    shed.entry(c.clone()).or_insert_with(|| counter(&format!("infermesh.shed_requests_total.class.{c}")));
+                }
+            }
+            for (slot, reason) in state_errors.iter_mut().zip(STATE_ERRORS) {
+                *slot = counter(&format!("infermesh.pool_state_errors_total.reason.{reason}"));
+            }
+        }
         Metrics {
             decisions,
             fallbacks,
             stripped: counter("infermesh.stripped_requests_total"),
             trusted: RefCell::new(HashMap::new()),
+            spilled,
+            shed,
+            state_errors,
         }
+    }
+
+    fn state_error(&self, e: StateError) {
+        bump(self.state_errors[e as usize]);
     }
 
     fn decision(&self, d: &Decision) {
@@ -113,14 +185,179 @@ impl Metrics {
     }
 }
 
+fn now_ms() -> u64 {
+    hostcalls::get_current_time().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Shared-data keys: one record per pool, and the time of each pool's last probe.
+fn state_key(pool: &str) -> String {
+    format!("infermesh.pool_state.{pool}")
+}
+fn probe_key(pool: &str) -> String {
+    format!("infermesh.probe.{pool}")
+}
+
+/// A worker reuses its view of a pool's state this long before reading shared data again (the
+/// request path then costs no shared-data read; well inside the 1 s target).
+const VIEW_MS: u64 = 100;
+/// A worker rewrites an unchanged reading of a replica at most this often: fresh enough for the
+/// staleness bound, without a shared-data write per response.
+const REWRITE_MS: u64 = 250;
+/// CAS attempts per write before it is given up (and counted): another worker keeps winning.
+const CAS_TRIES: usize = 4;
+
+/// This worker's side of the shared pool state table.
+#[derive(Default)]
+struct PoolStates {
+    /// pool -> (read at, degraded).
+    view: RefCell<HashMap<String, (u64, bool)>>,
+    /// (pool, replica) -> (level, written at).
+    written: RefCell<HashMap<(String, String), (u8, u64)>>,
+}
+
+impl PoolStates {
+    fn read(metrics: &Metrics, pool: &str) -> (PoolRecord, Option<u32>) {
+        match hostcalls::get_shared_data(&state_key(pool)) {
+            Ok((Some(bytes), cas)) => match PoolRecord::decode(&bytes) {
+                Some(rec) => (rec, cas),
+                None => {
+                    metrics.state_error(StateError::SharedData);
+                    (PoolRecord::default(), cas)
+                }
+            },
+            Ok((None, cas)) => (PoolRecord::default(), cas),
+            Err(_) => (PoolRecord::default(), None),
+        }
+    }
+
+    fn is_degraded(&self, cfg: &DegradedRouting, metrics: &Metrics, pool: &str, now: u64) -> bool {
+        let p = match cfg.pools.get(pool) {
+            Some(p) => p,
+            None => return false,
+        };
+        if let Some((at, d)) = self.view.borrow().get(pool) {
+            if now.saturating_sub(*at) < VIEW_MS {
+                return *d;
+            }
+        }
+        let degraded = Self::read(metrics, pool).0.degraded(&p.rule, now);
+        self.view.borrow_mut().insert(pool.to_string(), (now, degraded));
+        degraded
+    }
+
+    /// One `x-infermesh-pool-level` value, from a response or a probe.
+    fn report(&self, cfg: &DegradedRouting, metrics: &Metrics, value: &str, now: u64) {
+        let r = match parse_report(value) {
+            Ok(r) => r,
+            Err(e) => return metrics.state_error(e.into()),
+        };
+        let p = match cfg.pools.get(r.pool) {
+            Some(p) => p,
+            None => return metrics.state_error(StateError::UnknownPool),
+        };
+        let key = (r.pool.to_string(), r.replica.to_string());
+        if let Some((level, at)) = self.written.borrow().get(&key) {
+            if *level == r.level && now.saturating_sub(*at) < REWRITE_MS {
+                return;
+            }
+        }
+        for _ in 0..CAS_TRIES {
+            let (mut rec, cas) = Self::read(metrics, r.pool);
+            rec.observe(&p.rule, r.replica, r.level, now);
+            if hostcalls::set_shared_data(&state_key(r.pool), Some(&rec.encode()), cas).is_ok() {
+                self.written.borrow_mut().insert(key, (r.level, now));
+                self.view.borrow_mut().insert(r.pool.to_string(), (now, rec.degraded(&p.rule, now)));
+                return;
+            }
+        }
+        metrics.state_error(StateError::SharedData);
+    }
+
+    /// Claim this interval's probe of `pool` for this worker (CAS on the pool's probe key), unless
+    /// traffic already keeps its readings fresh.
+    fn claim_probe(metrics: &Metrics, pool: &str, interval: u64, now: u64) -> bool {
+        if now.saturating_sub(Self::read(metrics, pool).0.newest_ms()) < interval {
+            return false;
+        }
+        let key = probe_key(pool);
+        let (last, cas) = match hostcalls::get_shared_data(&key) {
+            Ok((bytes, cas)) => (bytes.and_then(|b| String::from_utf8(b).ok()).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0), cas),
+            Err(_) => return false,
+        };
+        // 90 %: the workers' timers drift; a probe slightly early beats one skipped.
+        if now.saturating_sub(last) < interval * 9 / 10 {
+            return false;
+        }
+        hostcalls::set_shared_data(&key, Some(now.to_string().as_bytes()), cas).is_ok()
+    }
+}
+
 struct Root {
     /// The last configuration that validated. A rejected update leaves it in place.
     config: Option<Rc<FilterConfig>>,
     metrics: Rc<Metrics>,
     rejections: Option<u32>,
+    states: Rc<PoolStates>,
+    /// Probe calls in flight: token -> the pool probed.
+    probes: HashMap<u32, String>,
 }
 
-impl Context for Root {}
+/// The state endpoint of a sidecar's serving port (sidecar/state_api.py).
+const STATE_PATH: &str = "/infermesh/state";
+
+impl Root {
+    fn probe(&mut self) {
+        let config = match &self.config {
+            Some(c) => Rc::clone(c),
+            None => return,
+        };
+        let d = match &config.degraded {
+            Some(d) => d,
+            None => return,
+        };
+        let now = now_ms();
+        for (pool, p) in &d.pools {
+            let cluster = match &p.probe_cluster {
+                Some(c) => c,
+                None => continue,
+            };
+            if !PoolStates::claim_probe(&self.metrics, pool, d.probe_interval_ms, now) {
+                continue;
+            }
+            let headers = vec![(":method", "GET"), (":path", STATE_PATH), (":authority", pool.as_str()), ("accept", "application/json")];
+            match self.dispatch_http_call(cluster, headers, None, vec![], Duration::from_millis(d.probe_timeout_ms)) {
+                Ok(token) => {
+                    self.probes.insert(token, pool.clone());
+                }
+                Err(_) => self.metrics.state_error(StateError::NoCluster),
+            }
+        }
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, _body_size: usize, _num_trailers: usize) {
+        if self.probes.remove(&token_id).is_none() {
+            return;
+        }
+        let d = match self.config.as_ref().and_then(|c| c.degraded.as_ref()) {
+            Some(d) => d,
+            None => return,
+        };
+        if num_headers == 0 {
+            return self.metrics.state_error(StateError::ProbeFailed);
+        }
+        if self.get_http_call_response_header(":status").as_deref() != Some("200") {
+            return self.metrics.state_error(StateError::ProbeStatus);
+        }
+        // The reading is the pool the header names: with failover endpoints at priority 1, the
+        // probe of a pool whose own sidecars are all gone lands on its spill pool.
+        match self.get_http_call_response_header(HEADER_POOL_LEVEL) {
+            Some(v) => self.states.report(d, &self.metrics, &v, now_ms()),
+            None => self.metrics.state_error(StateError::BadHeader),
+        }
+    }
+}
 
 impl RootContext for Root {
     #[cfg(feature = "bench-profile")]
@@ -149,6 +386,10 @@ impl RootContext for Root {
                     cfg.max_body_bytes
                 );
                 self.metrics = Rc::new(Metrics::for_config(&cfg));
+                let tick = cfg.degraded.as_ref().filter(|d| d.pools.values().any(|p| p.probe_cluster.is_some()));
+                let _ = hostcalls::set_tick_period(tick.map_or(Duration::ZERO, |d| Duration::from_millis(d.probe_interval_ms)));
+                // A new config may change a pool's level rule: start from the shared records again.
+                self.states = Rc::new(PoolStates::default());
                 self.config = Some(Rc::new(cfg));
                 true
             }
@@ -165,10 +406,15 @@ impl RootContext for Root {
         }
     }
 
+    fn on_tick(&mut self) {
+        self.probe();
+    }
+
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Request {
             config: self.config.clone(),
             metrics: Rc::clone(&self.metrics),
+            states: Rc::clone(&self.states),
             headers: Headers { all: Vec::new() },
             waiting_for_body: false,
             internal_in_request: false,
@@ -207,6 +453,7 @@ impl RequestView for Headers {
 struct Request {
     config: Option<Rc<FilterConfig>>,
     metrics: Rc<Metrics>,
+    states: Rc<PoolStates>,
     headers: Headers,
     waiting_for_body: bool,
     /// Whether Envoy's header map may still hold an `x-infermesh-*` header (a trusted peer's
@@ -244,12 +491,34 @@ impl Request {
         s.parse::<SocketAddr>().map(|a| a.ip()).ok().or_else(|| s.parse::<IpAddr>().ok())
     }
 
-    fn write(&self, config: &FilterConfig, d: &Decision) {
+    /// Write the decision, after `when_degraded` had its say: Pause once a shed request has
+    /// been answered, Continue otherwise.
+    fn write(&self, config: &FilterConfig, d: &Decision) -> Action {
         if skipped(Part::Write) {
             self.metrics.decision(d);
-            return;
+            return Action::Continue;
         }
-        let headers = [(HEADER_CLASS, d.class), (HEADER_POOL, d.pool), (HEADER_RULE, d.rule), (HEADER_OBJECTIVE, d.objective)];
+        let mut pool = d.pool;
+        if let Some(dr) = &config.degraded {
+            let generates = costs_generation(self.headers.get(":method").unwrap_or(""), self.headers.get(":path").unwrap_or(""));
+            let now = now_ms();
+            let verdict = dr.verdict(d.class, d.pool, generates, &mut |p| self.states.is_degraded(dr, &self.metrics, p, now));
+            match verdict {
+                Verdict::Normal => {}
+                Verdict::Spill(to) => {
+                    pool = to;
+                    bump(self.metrics.spilled.get(d.pool).copied().flatten());
+                    self.set_http_request_header(HEADER_SPILLED_FROM, Some(d.pool));
+                }
+                Verdict::Shed => {
+                    self.metrics.decision(d);
+                    bump(self.metrics.shed.get(d.class).copied().flatten());
+                    self.shed(dr, d.class);
+                    return Action::Pause;
+                }
+            }
+        }
+        let headers = [(HEADER_CLASS, d.class), (HEADER_POOL, pool), (HEADER_RULE, d.rule), (HEADER_OBJECTIVE, d.objective)];
         let n = if config.emit_objective_header { 4 } else { 3 };
         for (name, value) in headers.iter().take(n) {
             if self.internal_in_request {
@@ -259,18 +528,31 @@ impl Request {
             }
         }
         self.metrics.decision(d);
+        Action::Continue
+    }
+
+    /// Answer a shed class at the edge: 429, Retry-After and an OpenAI error body, as the
+    /// sidecars' own refusals look.
+    fn shed(&self, dr: &DegradedRouting, class: &str) {
+        let body = format!(
+            r#"{{"error":{{"message":"the mesh is shedding {class} requests while a pool is degraded","type":"rate_limit_error","param":null,"code":"mesh_shedding"}}}}"#
+        );
+        let retry = dr.retry_after_s.to_string();
+        let headers = vec![("retry-after", retry.as_str()), ("content-type", "application/json"), ("x-infermesh-shed-by", "mesh")];
+        let _ = hostcalls::send_http_response(429, headers, Some(body.as_bytes()));
     }
 
     /// Decide with the body known or known to be unavailable (never `Body::NotYet`, so the
     /// classifier always decides).
-    fn decide_now(&mut self, config: &FilterConfig, body: Body) {
+    fn decide_now(&mut self, config: &FilterConfig, body: Body) -> Action {
         self.waiting_for_body = false;
-        if let Outcome::Decided(d) = classify(config, &self.headers, body) {
-            self.write(config, &d)
+        match classify(config, &self.headers, body) {
+            Outcome::Decided(d) => self.write(config, &d),
+            Outcome::NeedBody => Action::Continue,
         }
     }
 
-    fn decide_on_body(&mut self, config: &FilterConfig, bytes: &[u8]) {
+    fn decide_on_body(&mut self, config: &FilterConfig, bytes: &[u8]) -> Action {
         if skipped(Part::Copy) || skipped(Part::Scan) {
             return self.decide_now(config, Body::Parsed(&Default::default()));
         }
@@ -278,7 +560,7 @@ impl Request {
             Ok(facts) => self.decide_now(config, Body::Parsed(&facts)),
             Err(_) => {
                 let why = if bytes.is_empty() { Fallback::Missing } else { Fallback::InvalidJson };
-                self.decide_now(config, Body::Unavailable(why));
+                self.decide_now(config, Body::Unavailable(why))
             }
         }
     }
@@ -307,9 +589,9 @@ fn is_json(content_type: Option<&str>) -> bool {
 
 impl Context for Request {}
 
-/// Request callbacks only: the build drops the exports of the response-side ones
-/// (and `on_log`, `on_done`) so Envoy skips those calls; one used here must come off the list in
-/// scripts/strip-wasm-exports.py.
+/// The request callbacks and the response headers (the pool level); the build drops the exports
+/// of the other response-side ones (and `on_log`, `on_done`) so Envoy skips those calls; one used
+/// here must come off the list in scripts/strip-wasm-exports.py.
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if cfg!(feature = "bench-noop") {
@@ -339,10 +621,7 @@ impl HttpContext for Request {
             }
         }
         match classify(&config, &self.headers, Body::NotYet) {
-            Outcome::Decided(d) => {
-                self.write(&config, &d);
-                Action::Continue
-            }
+            Outcome::Decided(d) => self.write(&config, &d),
             Outcome::NeedBody => {
                 let why = if end_of_stream {
                     Some(Fallback::Missing)
@@ -357,10 +636,7 @@ impl HttpContext for Request {
                 };
                 let why = if skipped(Part::Pause) { why.or(Some(Fallback::Missing)) } else { why };
                 match why {
-                    Some(why) => {
-                        self.decide_now(&config, Body::Unavailable(why));
-                        Action::Continue
-                    }
+                    Some(why) => self.decide_now(&config, Body::Unavailable(why)),
                     None => {
                         self.waiting_for_body = true;
                         Action::Pause
@@ -380,15 +656,13 @@ impl HttpContext for Request {
         };
         if body_size > config.max_body_bytes {
             // A chunked body outgrew the limit: let it flow and decide on headers.
-            self.decide_now(&config, Body::Unavailable(Fallback::TooLarge));
-            return Action::Continue;
+            return self.decide_now(&config, Body::Unavailable(Fallback::TooLarge));
         }
         if !end_of_stream {
             return Action::Pause; // keep buffering
         }
         let bytes = if skipped(Part::Copy) { Vec::new() } else { self.get_http_request_body(0, body_size).unwrap_or_default() };
-        self.decide_on_body(&config, &bytes);
-        Action::Continue
+        self.decide_on_body(&config, &bytes)
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
@@ -396,7 +670,21 @@ impl HttpContext for Request {
         if self.waiting_for_body {
             if let Some(config) = self.config.clone() {
                 let bytes = self.get_http_request_body(0, config.max_body_bytes).unwrap_or_default();
-                self.decide_on_body(&config, &bytes);
+                return self.decide_on_body(&config, &bytes);
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if cfg!(feature = "bench-noop") {
+            return Action::Continue;
+        }
+        // The replica's level is for the mesh only: never passed on to the client.
+        if let Some(value) = self.get_http_response_header(HEADER_POOL_LEVEL) {
+            self.set_http_response_header(HEADER_POOL_LEVEL, None);
+            if let Some(d) = self.config.as_ref().and_then(|c| c.degraded.as_ref()) {
+                self.states.report(d, &self.metrics, &value, now_ms());
             }
         }
         Action::Continue

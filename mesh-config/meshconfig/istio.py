@@ -274,7 +274,9 @@ def chart_parts(policy: Policy) -> dict:
     """
     m = envoy_form(policy)
     native = uses_native_rules(m)
-    wasm = wasm_filter_config(policy.filter_config(), remote_code("", ""))
+    # No probe clusters here: their names hold the release and namespace (probe_clusters below,
+    # the chart's filter.yaml adds the same).
+    wasm = wasm_filter_config(policy.filter_config(probe_clusters={}), remote_code("", ""))
     del wasm["config"]["failure_policy"]
     return {
         "defaultPool": policy.default_pool,
@@ -433,9 +435,19 @@ def filter_chain_name(opts: IstioOptions) -> str:
     return f"{opts.filter_namespace}.{filter_object_name(opts)}"
 
 
-def plugin_config(parts: dict) -> dict:
-    """The filter's own JSON config (Policy.filter_config()), as the Wasm filter carries it."""
-    return json.loads(parts["filter"]["wasm"]["config"]["configuration"]["value"])
+def probe_cluster(opts: IstioOptions, pool: str) -> str:
+    """The Envoy cluster Istio gives a pool's HTTP port: `outbound|PORT||HOST` (the filter's
+    state probe calls it)."""
+    return f"outbound|{opts.http_port}||{opts.fqdn(pool_service_name(opts, pool))}"
+
+
+def plugin_config(parts: dict, opts: IstioOptions) -> dict:
+    """The filter's own JSON config (Policy.filter_config()), as the Wasm filter carries it, with
+    the probe cluster of each pool degraded-mode routing watches."""
+    cfg = json.loads(parts["filter"]["wasm"]["config"]["configuration"]["value"])
+    for pool, p in cfg.get("degraded_routing", {}).get("pools", {}).items():
+        p["probe_cluster"] = probe_cluster(opts, pool)
+    return cfg
 
 
 def wasm_plugin(parts: dict, opts: IstioOptions) -> dict:
@@ -452,7 +464,7 @@ def wasm_plugin(parts: dict, opts: IstioOptions) -> dict:
         "type": "HTTP",
         # No phase: Istio then inserts it after authentication and authorization (before its own
         # stats, fault and CORS filters), so a request that is refused anyway is never classified.
-        "pluginConfig": plugin_config(parts),
+        "pluginConfig": plugin_config(parts, opts),
     }
     if opts.attach_to == "sidecar":
         spec["match"] = [{"mode": "CLIENT"}]
@@ -469,6 +481,9 @@ def wasm_extension_config(parts: dict, opts: IstioOptions) -> dict:
     the Istio agent fetches (HTTP or OCI), checks against the sha256 and hands Envoy as a file."""
     wasm = copy.deepcopy(parts["filter"]["wasm"])
     wasm["config"]["failure_policy"] = "FAIL_OPEN" if opts.fail_strategy == "FAIL_OPEN" else "FAIL_CLOSED"
+    cfg = plugin_config(parts, opts)
+    if "degraded_routing" in cfg:  # written again, as the chart's toJson writes it
+        wasm["config"]["configuration"]["value"] = go_json(cfg)
     remote = wasm["config"]["vm_config"]["code"]["remote"]
     remote["http_uri"]["uri"], remote["sha256"] = opts.wasm_url, opts.wasm_sha256
     if opts.wasm_url.startswith("file://"):  # on the proxy's disk: Envoy reads it (the agent would refuse it)

@@ -35,7 +35,7 @@ The typed model, as other modules use it (every object is an immutable pydantic 
     policy.pools[name]              PoolSpec: .models (ModelSpec) .gpu .replicas .serving
                                     .breakers .standby .monitor .when_degraded
     policy.needs_body, policy.default_pool, policy.objective(cls), policy.failover(),
-    policy.degraded_overlay(levels), policy.filter_config(), policy.sidecar_config(pool, …)
+    policy.degraded_routing(), policy.filter_config(), policy.sidecar_config(pool, …)
 
 Rules are checked here with the same fields, limits, field paths and messages as the filter's
 own parser (filter/src/config.rs), so `policy check` refuses what the filter would refuse;
@@ -48,10 +48,10 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
-from pydantic import (ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
+from pydantic import (AfterValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
                       model_validator)
 
 from infermesh.settings import (LEVEL_DOWN, NAME, ClassSettings, ModelSettings, PoolSettings, ServingSettings,
@@ -320,6 +320,31 @@ def _cidr_error(s: str) -> str | None:
     return None if ok else f"`{s}` is not an IP network"
 
 
+def _bounded(lo: int, hi: int):
+    """A bounded integer with the filter's own wording (config.rs `bounded`)."""
+    def check(v: int) -> int:
+        if not lo <= v <= hi:
+            raise FieldError("", f"must be between {lo} and {hi}")
+        return v
+    return Annotated[StrictInt, AfterValidator(check), Field(json_schema_extra={"minimum": lo, "maximum": hi})]
+
+
+class PoolStateSpec(Strict):
+    """How the filter learns each pool's level and applies `when_degraded` (docs/filter.md,
+    "Degraded-mode routing"). The filter's limits and defaults (config.rs)."""
+
+    probe_interval_ms: _bounded(50, 60_000) = 500
+    """How often the filter probes the state endpoint of a pool whose readings traffic does not keep fresh."""
+    probe_timeout_ms: _bounded(10, 60_000) = 400
+    """A probe with no answer by then counts as failed (and changes nothing)."""
+    stale_after_ms: _bounded(100, 3_600_000) = 5000
+    """A replica's reading older than this is ignored; no fresh reading: normal routing (fail open)."""
+    recover_hold_ms: _bounded(0, 3_600_000) = 1000
+    """A replica that drops below `at_level` counts as degraded for this long after its last such report (no flapping)."""
+    retry_after_s: _bounded(1, 3600) = 5
+    """Retry-After of the 429 that sheds a class at the edge."""
+
+
 class FilterSpec(Strict):
     body_max_bytes: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": MAX_BODY_BYTES})] = 262144
     """Bodies up to this size are buffered when a rule needs them (below Envoy's 1 MiB per-connection buffer)."""
@@ -329,6 +354,8 @@ class FilterSpec(Strict):
     """mTLS peer identities (URI SANs) whose x-infermesh-* headers are kept."""
     emit_objective_header: bool = False
     """Also set x-gateway-inference-objective (Gateway API Inference Extension / llm-d)."""
+    pool_state: PoolStateSpec = PoolStateSpec()
+    """Degraded-mode routing in the filter: probing, staleness, hysteresis, the shed answer."""
 
     # The filter's checks and wording (config.rs), so `policy check` reads like the filter's log.
     @field_validator("body_max_bytes")
@@ -377,9 +404,9 @@ class Policy(Strict):
                 continue
             if wd.spill_to is not None and (wd.spill_to not in self.pools or wd.spill_to == name):
                 raise FieldError(f"pools.{name}.when_degraded.spill_to", f"{wd.spill_to!r} must be another of the pools {sorted(self.pools)}")
-            for c in wd.shed_classes:
+            for i, c in enumerate(wd.shed_classes):
                 if c not in self.classes:
-                    raise FieldError(f"pools.{name}.when_degraded.shed_classes", f"{c!r} is not one of the classes {sorted(self.classes)}")
+                    raise FieldError(f"pools.{name}.when_degraded.shed_classes.{i}", f"{c!r} is not one of the classes {sorted(self.classes)}")
         seen: set[str] = set()
         for i, r in enumerate(self.rules):
             # The filter's wording (config.rs), in its order: name, then class.
@@ -405,24 +432,29 @@ class Policy(Strict):
         """The class's x-gateway-inference-objective value (the filter's default: the class name)."""
         return self.classes[cls].objective or cls
 
-    def degraded_overlay(self, levels: dict[str, int]) -> tuple[dict[str, str], list[str]]:
-        """(spill, shed_classes) for the pools' current levels (from their sidecars)."""
-        spill: dict[str, str] = {}
-        shed: list[str] = []
-
-        def degraded(name: str) -> bool:
-            wd = self.pools[name].when_degraded
-            level = levels.get(name, 0)
-            return level >= LEVEL_DOWN or (wd is not None and level >= wd.at_level)
-
+    def degraded_routing(self, probe_clusters: Mapping[str, str] | None = None) -> dict | None:
+        """The filter's `degraded_routing`: each pool with `when_degraded` and each pool one spills
+        to (at LEVEL_DOWN: degraded only while its sidecars are not serving), with the Envoy
+        cluster the filter probes for its state (`probe_clusters`; default the plain-Envoy names,
+        envoy_resources.cluster_name). None when no pool has `when_degraded`."""
+        if not any(p.when_degraded for p in self.pools.values()):
+            return None
+        clusters = probe_clusters if probe_clusters is not None else {n: f"pool_{n}" for n in self.pools}
+        targets = {p.when_degraded.spill_to for p in self.pools.values() if p.when_degraded}
+        pools: dict[str, dict] = {}
         for name, p in self.pools.items():
             wd = p.when_degraded
-            if wd is None or not degraded(name):
+            if wd is None and name not in targets:
                 continue
-            if wd.spill_to is not None and not degraded(wd.spill_to):
-                spill[name] = wd.spill_to
-            shed.extend(c for c in wd.shed_classes if c not in shed)
-        return spill, shed
+            entry: dict[str, Any] = {"at_level": wd.at_level if wd else LEVEL_DOWN}
+            if wd and wd.spill_to:
+                entry["spill_to"] = wd.spill_to
+            if wd and wd.shed_classes:
+                entry["shed_classes"] = list(wd.shed_classes)
+            if name in clusters:
+                entry["probe_cluster"] = clusters[name]
+            pools[name] = entry
+        return {"pools": pools, **self.filter.pool_state.model_dump()}
 
     def failover(self) -> dict[str, str]:
         """pool -> the pool whose endpoints back it at priority 1 (its `when_degraded.spill_to`)."""
@@ -430,8 +462,9 @@ class Policy(Strict):
 
     # ---- generators ---------------------------------------------------------------------------
 
-    def filter_config(self) -> dict:
-        """The Wasm filter's JSON config (Envoy `configuration`, Istio `pluginConfig`)."""
+    def filter_config(self, probe_clusters: Mapping[str, str] | None = None) -> dict:
+        """The Wasm filter's JSON config (Envoy `configuration`, Istio `pluginConfig`);
+        `probe_clusters`: see `degraded_routing`."""
         classes = {}
         for name, c in self.classes.items():
             classes[name] = {"pool": c.pool} | ({"objective": c.objective} if c.objective else {})
@@ -445,6 +478,8 @@ class Policy(Strict):
         }
         if self.filter.trusted_cidrs or self.filter.trusted_principals:
             cfg["trusted_sources"] = {"cidrs": list(self.filter.trusted_cidrs), "principals": list(self.filter.trusted_principals)}
+        if (degraded := self.degraded_routing(probe_clusters)) is not None:
+            cfg["degraded_routing"] = degraded
         return cfg
 
     def sidecar_config(self, pool: str, models_dir: Path, *, host: str = "127.0.0.1", http_port: int = 8000,

@@ -1,13 +1,13 @@
 """The control plane for plain Envoy, as a process: the watchers (watchers.py) report the policy
-file and the pools' levels, `ControlPlane` turns the last good policy and those levels into a
-checked snapshot (xds_snapshot.py), and the ADS server (ads_server.py) serves it to every
-connected Envoy over gRPC.
+file and the pools' levels, `ControlPlane` turns the last good policy into a checked snapshot
+(xds_snapshot.py), and the ADS server (ads_server.py) serves it to every connected Envoy over gRPC.
 
 A valid edit of the policy file reaches Envoy as a new version at once; an invalid one is logged
-with its file:line: field reasons and Envoy keeps the last good config. A pool that reports a
-degradation level, or whose sidecar goes away, gets the policy's degraded-mode routing
-(`when_degraded`: spill its traffic, shed classes at the edge) until it is back and serving. If
-the control plane dies, Envoy keeps serving its last config and resyncs when it is back.
+with its file:line: field reasons and Envoy keeps the last good config. Degraded-mode routing
+(`when_degraded`) is not the control plane's: the filter learns each pool's level from its
+sidecars' responses and state endpoint and spills or sheds itself, in plain Envoy and in Istio
+alike (docs/filter.md). The pool watchers (`--pool-admin`) only log the levels they see. If the
+control plane dies, Envoy keeps serving its last config and resyncs when it is back.
 
     python -m infermesh.meshconfig.xds_server --policy FILE --port 18000 \\
         --listen-port 8080 --pool interactive=127.0.0.1:8101:8201 --pool batch=127.0.0.1:8102:8202 \\
@@ -36,8 +36,8 @@ log = logging.getLogger("infermesh.xds")
 
 
 class ControlPlane:
-    """The last good policy and the pools' levels; every change rebuilds the snapshot, and a
-    snapshot that cannot be built (or is inconsistent) leaves the last good one served."""
+    """The last good policy (every change rebuilds the snapshot; one that cannot be built, or is
+    inconsistent, leaves the last good one served) and the pools' levels, logged as they change."""
 
     def __init__(self, target: MeshTarget, ads: AdsServer | None = None):
         self.target = target
@@ -59,13 +59,12 @@ class ControlPlane:
             # `pool_level`, not `level`: that key is the log line's own severity.
             log.warning("pool level changed", extra={"pool": pool, "pool_level": level, "was": self.levels.get(pool)})
             self.levels[pool] = level
-            self.publish()
 
     def publish(self) -> bool:
         if self.policy is None:
             return False
         try:
-            snap = build_snapshot(self.policy, self.target, self.levels)
+            snap = build_snapshot(self.policy, self.target)
         except Exception as e:  # a generator bug or a missing endpoint must not take the control plane down
             self.rejections += 1
             log.exception("config generation failed; keeping the last good config", extra={"error": str(e), "kept": self.version})
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--listen-port", type=int, default=8080)
     ap.add_argument("--pool", action="append", default=[], help="NAME=HOST:HTTP_PORT[:GRPC_PORT] of a pool's sidecar (repeat)")
     ap.add_argument("--wasm", default=str(paths.filter_wasm()))
-    ap.add_argument("--pool-admin", action="append", default=[], help="NAME=URL of a pool sidecar's admin API (repeat): its state drives degraded-mode routing")
+    ap.add_argument("--pool-admin", action="append", default=[], help="NAME=URL of a pool sidecar's admin API (repeat): its level changes are logged")
     args = ap.parse_args(argv)
     setup_logging({"component": "xds"})
     logging.getLogger("infermesh.xds").setLevel(logging.INFO)

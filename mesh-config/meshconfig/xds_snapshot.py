@@ -1,5 +1,5 @@
 """The control plane's snapshot: one consistent set of xDS resources (listener, route table,
-clusters, endpoints) for one policy and the pools' current levels, assembled from the parts of
+clusters, endpoints) for one policy, assembled from the parts of
 envoy_resources.py in their dynamic form: routes over RDS (a route change updates the table in
 place instead of replacing the listener), endpoints over EDS (a moved sidecar or a failover
 change touches no cluster). `Snapshot.check()` refuses a set that points at what it lacks, before
@@ -120,14 +120,12 @@ class MeshTarget:
     """pool -> (host, HTTP port, gRPC port or 0)."""
 
 
-def mesh_listener(policy: Policy, target: MeshTarget, levels: dict[str, int] | None = None) -> MeshListener:
-    """The parts' input for a policy, the target and the pools' levels (degraded-mode overlay)."""
+def mesh_listener(policy: Policy, target: MeshTarget) -> MeshListener:
+    """The parts' input for a policy and the target. The pools' levels are not in it: the filter
+    applies `when_degraded` itself (docs/filter.md), so a degraded pool changes no route."""
     missing = set(policy.pools) - set(target.endpoints)
     if missing:
         raise ValueError(f"no endpoint given for pools {sorted(missing)}")
-    spill, shed = policy.degraded_overlay(levels or {})
-    if spill or shed:
-        log.warning("degraded-mode routing", extra={"spill": spill, "shed_classes": shed, "levels": levels})
     return MeshListener(
         listen_host=target.listen_host,
         listen_port=target.listen_port,
@@ -136,16 +134,14 @@ def mesh_listener(policy: Policy, target: MeshTarget, levels: dict[str, int] | N
         filter_config=policy.filter_config(),
         pools=[PoolEndpoint(name, *target.endpoints[name]) for name in policy.pools],
         default_pool=policy.default_pool,
-        spill=spill,
-        shed_classes=shed,
         failover=policy.failover(),
         routing=Routing.from_policy(policy),
     )
 
 
-def build_snapshot(policy: Policy, target: MeshTarget, levels: dict[str, int] | None = None) -> Snapshot:
-    """The checked snapshot for a policy, the target and the pools' levels."""
-    m = mesh_listener(policy, target, levels)
+def build_snapshot(policy: Policy, target: MeshTarget) -> Snapshot:
+    """The checked snapshot for a policy and the target."""
+    m = mesh_listener(policy, target)
 
     def parse(d: dict, msg):
         # On a copy: ParseDict deletes and re-adds each Any's "@type" in the dict it reads, and the

@@ -11,7 +11,7 @@ from envoy.config.route.v3 import route_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from infermesh.meshconfig.ads_server import AdsServer
-from infermesh.meshconfig.policy import LEVEL_DOWN, LOCAL_POLICY, load_policy
+from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy
 from infermesh.meshconfig.watchers import PolicyFileWatcher
 from infermesh.meshconfig.xds_server import ControlPlane
 from infermesh.meshconfig.xds_snapshot import (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, MeshTarget,
@@ -20,8 +20,9 @@ from infermesh.meshconfig.xds_snapshot import (CLUSTER_TYPE, ENDPOINT_TYPE, LIST
 POLICY = load_policy(LOCAL_POLICY)
 TARGET = MeshTarget("127.0.0.1", 8080, Path("/x.wasm"), {"interactive": ("127.0.0.1", 8101, 8201), "batch": ("127.0.0.1", 8102, 8202)})
 V1 = build_snapshot(POLICY, TARGET)
-V2 = build_snapshot(POLICY, TARGET, {"interactive": LEVEL_DOWN})  # another version: interactive spilled
-V3 = build_snapshot(POLICY, TARGET, {"interactive": LEVEL_DOWN, "batch": LEVEL_DOWN})  # no spill, batch shed
+# Other versions: the same policy with the listener on other ports.
+V2 = build_snapshot(POLICY, MeshTarget("127.0.0.1", 8081, TARGET.wasm_path, TARGET.endpoints))
+V3 = build_snapshot(POLICY, MeshTarget("127.0.0.1", 8082, TARGET.wasm_path, TARGET.endpoints))
 assert len({V1.version, V2.version, V3.version}) == 3
 SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 
@@ -241,11 +242,10 @@ def test_a_policy_edit_reaches_the_stream_as_a_new_version(tmp_path):
     assert watch.load() and cp.version == V1.version
 
     def default_class_of(r) -> str:
-        """The class the route table's default route gives a request."""
+        """The pool of the route table's last route (no rule matched: the default class's)."""
         rc = route_pb2.RouteConfiguration()
         r.resources[0].Unpack(rc)
-        default = next(x for x in rc.virtual_hosts[0].routes if x.name == "default-pool")
-        return {h.header.key: h.header.value for h in default.request_headers_to_add}["x-infermesh-class"]
+        return rc.virtual_hosts[0].routes[-1].route.cluster.removeprefix("pool_")
 
     async def scenario(envoy):
         envoy.send(ROUTE_TYPE, names=["infermesh"])

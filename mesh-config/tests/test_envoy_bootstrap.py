@@ -67,8 +67,15 @@ def test_http_and_grpc_route_and_cluster_per_pool_plus_default():
         assert c["circuit_breakers"]["thresholds"][0]["max_requests"] > 0
 
 
+def without_when_degraded(plan: LocalMeshPlan) -> LocalMeshPlan:
+    """The plan's policy with no `when_degraded`: every header-only rule can be native."""
+    pools = {n: p.model_copy(update={"when_degraded": None}) for n, p in plan.policy.pools.items()}
+    return dataclasses.replace(plan, policy=plan.policy.model_copy(update={"pools": pools}))
+
+
 def test_native_rules_decide_in_the_route_table_and_send_only_body_rules_to_the_filter():
-    plan = LocalMeshPlan()  # local.yaml: chat-bulk (body), chat, grpc-generate (header-only)
+    # local.yaml: chat-bulk (body), chat, grpc-generate (header-only); without when_degraded
+    plan = without_when_degraded(LocalMeshPlan())
     b = bootstrap(plan.listener(Path("/x.wasm")))
     hcm = _hcm(b)
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
@@ -93,6 +100,21 @@ def test_native_rules_decide_in_the_route_table_and_send_only_body_rules_to_the_
     # Client x-infermesh-* headers go before any route is chosen.
     strip = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"][0]["remove_on_match"]
     assert strip == {"key_matcher": {"prefix": "x-infermesh-"}}
+    # The filter is off there: Envoy drops the sidecars' internal pool-level header itself.
+    assert by_name["default-pool"]["response_headers_to_remove"] == ["x-infermesh-pool-level"]
+    assert "response_headers_to_remove" not in chat, "where the filter runs, it reads and strips the header"
+
+
+def test_rules_of_classes_when_degraded_may_spill_or_shed_are_decided_by_the_filter():
+    plan = LocalMeshPlan()  # local.yaml: interactive spills to batch, batch is shed
+    routes = _hcm(bootstrap(plan.listener(Path("/x.wasm"))))["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["name"] for r in routes] == [
+        "class-pool-interactive-grpc", "class-pool-interactive", "class-pool-batch-grpc", "class-pool-batch",
+        "filter-chat-bulk-grpc", "filter-chat-bulk", "filter-grpc-generate-grpc", "filter-grpc-generate",
+        "filter-default-grpc", "filter-default",
+    ]
+    assert all("typed_per_filter_config" not in r and "request_headers_to_add" not in r for r in routes)
+    assert routes[-1]["route"]["cluster"] == "pool_batch", "the filter failing open: the default pool"
 
 
 def test_trusted_sources_keep_the_filter_on_every_request():
@@ -126,18 +148,6 @@ def test_envoy_local_replies_for_a_missing_upstream_are_openai_errors_with_retry
     assert "UH" in mapper["filter"]["response_flag_filter"]["flags"]
     assert mapper["headers_to_add"][0]["header"]["key"] == "retry-after"
     assert mapper["body_format_override"]["json_format"]["error"]["code"] == "pool_unavailable"
-
-
-def test_degraded_overlay_treats_a_lost_pool_as_past_every_level():
-    from infermesh.meshconfig.policy import LEVEL_DOWN
-
-    policy = LocalMeshPlan().policy
-    assert policy.degraded_overlay({}) == ({}, [])
-    assert policy.degraded_overlay({"interactive": 2}) == ({}, [])
-    assert policy.degraded_overlay({"interactive": 3}) == ({"interactive": "batch"}, ["batch"])
-    assert policy.degraded_overlay({"interactive": LEVEL_DOWN}) == ({"interactive": "batch"}, ["batch"])
-    # Never spill into a pool that is gone too; still shed what the policy says.
-    assert policy.degraded_overlay({"interactive": LEVEL_DOWN, "batch": LEVEL_DOWN}) == ({}, ["batch"])
 
 
 def test_real_envoy_validates_the_generated_config(tmp_path):

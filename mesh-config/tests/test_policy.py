@@ -9,6 +9,7 @@ from infermesh.meshconfig.policy import LOCAL_POLICY, PolicyError, load_policy, 
 from infermesh.sidecar.config import SidecarConfig
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
+E2E_POLICY = Path(__file__).resolve().parents[2] / "e2e" / "policy-e2e.yaml"
 
 
 @pytest.mark.parametrize("name", ["local.yaml", "production.yaml"])
@@ -34,6 +35,7 @@ def test_local_plan_is_the_local_policy():
 
 
 GOOD = LOCAL_POLICY.read_text()
+NO_DEGRADED = "".join(ln for ln in GOOD.splitlines(keepends=True) if "when_degraded" not in ln)
 
 
 def problems(text: str) -> list[tuple[int | None, str, str]]:
@@ -81,27 +83,51 @@ def test_missing_file(tmp_path):
         load_policy(tmp_path / "nope.yaml")
 
 
-def test_degraded_overlay():
+def test_when_degraded_goes_to_the_filter_as_degraded_routing():
     text = GOOD.replace("  batch:\n    models:", "    when_degraded: {at_level: 2, spill_to: batch, shed_classes: [batch]}\n  batch:\n    models:")
     p = parse_policy(text)
-    assert p.degraded_overlay({}) == ({}, [])
-    assert p.degraded_overlay({"interactive": 1}) == ({}, [])
-    assert p.degraded_overlay({"interactive": 2}) == ({"interactive": "batch"}, ["batch"])
+    assert p.filter_config()["degraded_routing"] == {
+        # The spill target is watched too, at LEVEL_DOWN: no spill onto a pool that is not serving.
+        "pools": {"interactive": {"at_level": 2, "spill_to": "batch", "shed_classes": ["batch"], "probe_cluster": "pool_interactive"},
+                  "batch": {"at_level": 4, "probe_cluster": "pool_batch"}},
+        "probe_interval_ms": 500, "probe_timeout_ms": 400, "stale_after_ms": 5000, "recover_hold_ms": 1000, "retry_after_s": 5,
+    }
+    istio = {"interactive": "outbound|8000||x-interactive.ns.svc.cluster.local"}
+    assert p.filter_config(istio)["degraded_routing"]["pools"]["interactive"]["probe_cluster"] == istio["interactive"]
+    assert "probe_cluster" not in p.filter_config(istio)["degraded_routing"]["pools"]["batch"]
+    assert "degraded_routing" not in parse_policy(NO_DEGRADED).filter_config()
     (line, field, msg), = problems(text.replace("spill_to: batch", "spill_to: interactive"))
     assert field == "pools.interactive.when_degraded.spill_to"
+    (line, field, msg), = problems(text + "filter: {pool_state: {probe_interval_ms: 10}}\n")
+    assert (field, msg) == ("filter.pool_state.probe_interval_ms", "must be between 50 and 60000")
 
 
-def test_degraded_routes_spill_and_shed_at_the_edge():
+def test_the_plain_envoy_probe_clusters_are_the_pool_clusters():
+    from infermesh.meshconfig.envoy_resources import cluster_name
+
+    p = load_policy(E2E_POLICY)
+    assert {n: d["probe_cluster"] for n, d in p.degraded_routing()["pools"].items()} == {n: cluster_name(n) for n in p.pools}
+
+
+def test_degradable_classes_are_decided_by_the_filter_and_no_route_is_rewritten():
+    """One mechanism: the routes never change with a pool's level; a rule whose class
+    `when_degraded` may spill or shed is a filter route (the filter applies it), natively
+    decided routes drop the sidecars' pool-level header."""
     from infermesh.meshconfig.envoy_resources import route_config
 
-    listener = LocalMeshPlan().listener(Path("/x.wasm"))
-    listener.spill, listener.shed_classes = {"interactive": "batch"}, ["batch"]
-    routes = route_config(listener)["virtual_hosts"][0]["routes"]
-    assert routes[0]["direct_response"]["status"] == 429 and routes[0]["match"]["headers"][0]["string_match"]["exact"] == "batch"
-    by_pool = {(r["match"]["headers"][0]["string_match"]["exact"], len(r["match"]["headers"])): r["route"]["cluster"]
-               for r in routes[1:] if r["match"].get("headers", [{}])[0].get("name") == "x-infermesh-pool"}
-    assert by_pool == {("interactive", 1): "pool_batch", ("batch", 1): "pool_batch",
-                       ("interactive", 2): "pool_batch_grpc", ("batch", 2): "pool_batch_grpc"}
+    plan = LocalMeshPlan(policy_path=E2E_POLICY)
+    routes = route_config(plan.listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"]
+    assert not any("direct_response" in r for r in routes)
+    by_pool = {r["match"]["headers"][0]["string_match"]["exact"]: r["route"]["cluster"]
+               for r in routes if r["match"].get("headers", [{}])[0].get("name") == "x-infermesh-pool" and len(r["match"]["headers"]) == 1}
+    assert by_pool == {"interactive": "pool_interactive", "batch": "pool_batch"}
+    # Both classes are degradable here (interactive spills, batch is shed): the filter decides all.
+    assert not any("request_headers_to_add" in r for r in routes)
+    assert [r["name"] for r in routes if r["name"].startswith("filter-")][-1] == "filter-default"
+    # Without when_degraded: native routes, and they drop the pool-level header.
+    plain = LocalMeshPlan(policy=parse_policy(NO_DEGRADED))
+    native = [r for r in route_config(plain.listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"] if "request_headers_to_add" in r]
+    assert native and all(r["response_headers_to_remove"] == ["x-infermesh-pool-level"] for r in native)
 
 
 PRODUCTION = POLICIES / "production.yaml"

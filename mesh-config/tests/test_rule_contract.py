@@ -195,7 +195,14 @@ OTHER_VALID = {
     "body-limit-min": {"filter": {"body_max_bytes": 1}},
     "objective": {"classes": {"interactive": {"pool": "interactive", "objective": "chat-latency"}, "batch": {"pool": "batch"}}},
     "emit-objective": {"filter": {"emit_objective_header": True}},
+    "when-degraded": {"when_degraded": {"interactive": {"at_level": 2, "spill_to": "batch", "shed_classes": ["batch", "interactive"]}},
+                      "filter": {"pool_state": {"probe_interval_ms": 50, "probe_timeout_ms": 60000, "stale_after_ms": 100,
+                                                "recover_hold_ms": 0, "retry_after_s": 3600}}},
+    "when-degraded-defaults": {"when_degraded": {"batch": {}}},
+    "when-degraded-both": {"when_degraded": {"batch": {"spill_to": "interactive"}, "interactive": {"at_level": 1, "spill_to": "batch"}}},
 }
+# when_degraded in the policy, degraded_routing in the filter config (Policy.degraded_routing).
+WD = {"when_degraded": {"interactive": {"spill_to": "batch"}}}
 OTHER_INVALID = {
     "body-limit-zero": ({"filter": {"body_max_bytes": 0}}, "filter.body_max_bytes"),
     "body-limit-over": ({"filter": {"body_max_bytes": 983041}}, "filter.body_max_bytes"),
@@ -216,6 +223,15 @@ OTHER_INVALID = {
                               "classes.interactive.objective"),
     "class-unknown-field": ({"classes": {"interactive": {"pool": "interactive", "pol": "x"}, "batch": {"pool": "batch"}}}, "classes.interactive.pol"),
     "default-class": ({"default_class": "nope"}, "default_class"),
+    "when-degraded-spill-self": ({"when_degraded": {"interactive": {"spill_to": "interactive"}}}, "pools.interactive.when_degraded.spill_to"),
+    "when-degraded-shed-unknown": ({"when_degraded": {"batch": {"shed_classes": ["batch", "nope"]}}}, "pools.batch.when_degraded.shed_classes.1"),
+    "when-degraded-level-zero": ({"when_degraded": {"batch": {"at_level": 0}}}, "pools.batch.when_degraded.at_level"),
+    "pool-state-interval": (WD | {"filter": {"pool_state": {"probe_interval_ms": 49}}}, "filter.pool_state.probe_interval_ms"),
+    "pool-state-interval-over": (WD | {"filter": {"pool_state": {"probe_interval_ms": 60001}}}, "filter.pool_state.probe_interval_ms"),
+    "pool-state-timeout": (WD | {"filter": {"pool_state": {"probe_timeout_ms": 9}}}, "filter.pool_state.probe_timeout_ms"),
+    "pool-state-stale": (WD | {"filter": {"pool_state": {"stale_after_ms": 99}}}, "filter.pool_state.stale_after_ms"),
+    "pool-state-hold": (WD | {"filter": {"pool_state": {"recover_hold_ms": 3600001}}}, "filter.pool_state.recover_hold_ms"),
+    "pool-state-retry-after": (WD | {"filter": {"pool_state": {"retry_after_s": 0}}}, "filter.pool_state.retry_after_s"),
 }
 
 # Regex syntax (filter_regex.py against the `regex` crate): (pattern, accepted?).
@@ -260,7 +276,8 @@ def policy_text(case: dict) -> str:
         "default_class": case.get("default_class", "batch"),
         "classes": case.get("classes", CLASSES),
         "rules": case.get("rules", []),
-        "pools": {"interactive": {"models": [{"name": "m"}]}, "batch": {"models": [{"name": "m"}]}},
+        "pools": {n: {"models": [{"name": "m"}]} | ({"when_degraded": case["when_degraded"][n]} if n in case.get("when_degraded", {}) else {})
+                  for n in ("interactive", "batch")},
     }
     if "filter" in case:
         doc["filter"] = case["filter"]
@@ -280,11 +297,21 @@ def filter_json(case: dict) -> str:
     }
     if f.get("trusted_cidrs") or f.get("trusted_principals"):
         cfg["trusted_sources"] = {"cidrs": f.get("trusted_cidrs", []), "principals": f.get("trusted_principals", [])}
+    if wds := case.get("when_degraded"):
+        targets = {wd["spill_to"] for wd in wds.values() if "spill_to" in wd}
+        pools = {}
+        for n in ("interactive", "batch"):
+            if n in wds or n in targets:
+                wd = wds.get(n, {})
+                pools[n] = {"at_level": wd.get("at_level", 3) if n in wds else 4, "probe_cluster": f"pool_{n}"}
+                pools[n] |= {k: wd[k] for k in ("spill_to", "shed_classes") if k in wd}
+        cfg["degraded_routing"] = {"pools": pools, "probe_interval_ms": 500, "probe_timeout_ms": 400, "stale_after_ms": 5000,
+                                   "recover_hold_ms": 1000, "retry_after_s": 5} | f.get("pool_state", {})
     return json.dumps(cfg)
 
 
 _SECTION = {"filter.body_max_bytes": "body.max_bytes", "filter.trusted_cidrs": "trusted_sources.cidrs",
-            "filter.trusted_principals": "trusted_sources.principals"}
+            "filter.trusted_principals": "trusted_sources.principals", "filter.pool_state": "degraded_routing"}
 
 
 def filter_path(policy_field: str) -> str:
@@ -293,6 +320,7 @@ def filter_path(policy_field: str) -> str:
     for ours, theirs in _SECTION.items():
         if policy_field == ours or policy_field.startswith(ours + "."):
             policy_field = theirs + policy_field[len(ours):]
+    policy_field = re.sub(r"^pools\.([^.]+)\.when_degraded", r"degraded_routing.pools.\1", policy_field)
     return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", policy_field)
 
 
@@ -345,7 +373,9 @@ def test_policy_and_filter_agree(filter_verdicts, cid, case, accepted, field):
         return
     assert ours[1] == field, f"policy names {ours[1]!r}: {ours[2]}"
     assert filter_path(ours[1]) == theirs["at"], f"filter: {theirs}"
-    if theirs["field"] != "$" and not cid.startswith(("version", "class", "default-class")):
+    # when_degraded's references and level are worded as the policy's other references (the
+    # filter checks what the policy generated, in its own words).
+    if theirs["field"] != "$" and not cid.startswith(("version", "class", "default-class", "when-degraded")):
         assert _same_message(ours[2], theirs["message"]), f"policy: {ours[2]!r}, filter: {theirs['message']!r}"
 
 
@@ -381,6 +411,11 @@ BRANCHES = {
     "trusted_sources.cidrs": ["cidr-prefix", "cidr-v6-prefix", "cidr-name", "cidr-space", "cidr-prefix-space", "cidr-zone",
                               "cidr-leading-zero", "cidr-empty-prefix"],
     "trusted_sources.principals": ["principal-empty"],
+    "degraded_routing bounds": ["pool-state-interval", "pool-state-interval-over", "pool-state-timeout", "pool-state-stale",
+                                "pool-state-hold", "pool-state-retry-after"],
+    "degraded_routing.pools.P.at_level": ["when-degraded-level-zero"],
+    "degraded_routing.pools.P.spill_to": ["when-degraded-spill-self"],
+    "degraded_routing.pools.P.shed_classes[i]": ["when-degraded-shed-unknown"],
 }
 
 
@@ -406,7 +441,12 @@ def test_the_policy_words_the_filters_checks_as_the_filter():
     norm = lambda s: re.sub(r"\{[^}]*\}", "{}", s)
     messages = set(re.findall(r'err\([^;]*?,\s*(?:format!\()?"([^"]+)"', src, re.S))
     # The policy words these two as the rest of its own checks (pydantic's bounds of version, classes).
-    own = {"unsupported version {} (this filter understands {})", "at least one class is required"}
+    own = {"unsupported version {} (this filter understands {})", "at least one class is required",
+           # degraded_routing is generated from a checked when_degraded: the policy words those
+           # checks as its other references (a spill_to pool, a level 1-3); the probe cluster
+           # names come from the assembly (envoy_resources, the chart), not from the policy.
+           "`{to}` must be another of the pools of degraded_routing", "must be between 1 and 4",
+           "must be a cluster name (1-256 visible ASCII characters)"}
     assert len(messages) >= 14, messages
     missing = sorted(m for m in messages if norm(m) not in norm(ours) and m not in own)
     assert not missing, missing

@@ -1,5 +1,6 @@
 """The control plane's snapshot: assembled from the Envoy parts in the RDS/EDS form, checked for
-consistency before it is served, and following the pools' levels (degraded-mode routing)."""
+consistency before it is served. A pool's level changes no route: the filter applies
+`when_degraded` (filter/src/pool_state.rs)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from envoy.config.route.v3 import route_pb2
 
-from infermesh.meshconfig.policy import LEVEL_DOWN, LOCAL_POLICY, load_policy
+from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy
 from infermesh.meshconfig.xds_snapshot import (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, InconsistentSnapshot,
                                                MeshTarget, Snapshot, build_snapshot, resource_name)
 
@@ -36,11 +37,9 @@ def test_the_snapshot_serves_routes_over_rds_and_endpoints_over_eds():
     assert build_snapshot(POLICY, TARGET).version == snap.version, "the same config, the same version"
 
 
-def test_a_degraded_pool_spills_and_sheds_in_the_served_routes():
-    plain = _routes(build_snapshot(POLICY, TARGET))
-    assert plain["class-pool-interactive"] == "pool_interactive" and "shed-batch" not in plain
-    degraded = _routes(build_snapshot(POLICY, TARGET, {"interactive": LEVEL_DOWN}))
-    assert degraded["class-pool-interactive"] == "pool_batch" and degraded["shed-batch"] == "429"
+def test_the_served_routes_never_spill_or_shed_themselves():
+    routes = _routes(build_snapshot(POLICY, TARGET))
+    assert routes["class-pool-interactive"] == "pool_interactive" and "429" not in routes.values()
 
 
 def test_a_pool_without_an_endpoint_is_refused_by_name():

@@ -1,0 +1,244 @@
+"""Integration: degraded-mode routing in the data plane. The real Envoy (two workers) with the
+compiled filter and the routes the control plane generates for the e2e policy (interactive
+spills to batch and batch is shed at the edge while interactive is at level 3), in front of two
+fake sidecars (`FakeSidecar`, below: the level, the header and the state endpoint's behaviour
+are the test's to choose, which no real sidecar can be made to do on demand, e.g. answer
+garbage). The same behaviour on real sidecars with vLLM: e2e/test_breakers_e2e.py
+(test_critical_interactive_pool_spills_to_batch_and_the_mesh_sheds_batch), and through istiod:
+e2e/test_istiod_e2e.py.
+
+What is measured is printed: the time from a sidecar reporting the level to the first spilled
+request under traffic, and to the first shed request for an idle pool (learned by the probe).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from infermesh import paths
+from infermesh.launcher import free_ports
+from infermesh.meshconfig.envoy_bootstrap import write_bootstrap
+from infermesh.meshconfig.local_mesh import LocalMeshPlan, PoolPorts
+from infermesh.meshconfig.policy import load_policy
+
+E2E_POLICY = Path(__file__).resolve().parent / "policy-e2e.yaml"
+LEVEL = "x-infermesh-pool-level"
+
+
+class FakeSidecar(ThreadingHTTPServer):
+    """A fake of one pool's sidecar: echoes each request (pool, path, headers) and reports
+    `level` in x-infermesh-pool-level, as the real one does; `header` = "garbage" sends junk
+    instead; `state` = "ok" | "500" | "hang" is how GET /infermesh/state answers."""
+
+    daemon_threads = True
+
+    def __init__(self, pool: str, port: int):
+        self.pool, self.level, self.header, self.state = pool, 0, "ok", "ok"
+        self.probes = 0
+        super().__init__(("127.0.0.1", port), _FakeHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def level_value(self) -> str:
+        return f"{self.pool};{self.level};0" if self.header == "ok" else "level=3 pool=" + self.pool
+
+
+class _FakeHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def _reply(self):
+        srv: FakeSidecar = self.server  # type: ignore[assignment]
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        status = 200
+        if self.path == "/infermesh/state":
+            srv.probes += 1
+            if srv.state == "hang":
+                time.sleep(2)
+            status = 500 if srv.state == "500" else 200
+        out = json.dumps({"upstream": srv.pool, "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}}).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(out)))
+        if self.path != "/health":
+            self.send_header(LEVEL, srv.level_value())
+        self.end_headers()
+        self.wfile.write(out)
+
+    do_GET = do_POST = _reply
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    work = tmp_path_factory.mktemp("pool-state")
+    policy = load_policy(E2E_POLICY)
+    listen, admin, p_int, p_batch = free_ports(4)
+    sidecars = {"interactive": FakeSidecar("interactive", p_int), "batch": FakeSidecar("batch", p_batch)}
+    plan = LocalMeshPlan(policy_path=E2E_POLICY, policy=policy, listen_port=listen, admin_port=admin,
+                         pools=[PoolPorts("interactive", p_int, 0), PoolPorts("batch", p_batch, 0)])
+    m = plan.listener(paths.filter_wasm())
+    # A pool the filter watches whose cluster this Envoy does not have (a pool that went away).
+    m.filter_config["degraded_routing"]["pools"]["gone"] = {"at_level": 3, "probe_cluster": "pool_gone"}
+    boot = write_bootstrap(m, work / "envoy.json")
+    # No active health checks: the fakes never die here, and on this shared 2-core machine a
+    # check's 1 s timeout can pass under load, which moves a pool's traffic to its failover
+    # endpoints (the spill pool's) and would read as a spill the filter did not make.
+    doc = json.loads(boot.read_text())
+    for c in doc["static_resources"]["clusters"]:
+        c.pop("health_checks", None)
+    boot.write_text(json.dumps(doc))
+    log = work / "envoy.log"
+    proc = subprocess.Popen([str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "2",
+                             "--log-level", "info"], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    base, admin_url = f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if urllib.request.urlopen(admin_url + "/ready", timeout=1).status == 200 and get(base, "/v1/models")[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.1)
+    else:
+        pytest.fail("envoy did not start:\n" + log.read_text()[-3000:])
+    yield base, admin_url, sidecars
+    proc.terminate()
+    proc.wait(timeout=10)
+    for s in sidecars.values():
+        s.shutdown()
+
+
+def request(base: str, method: str, path: str, body: dict | None = None, headers: dict | None = None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(base + path, data=data, method=method, headers={"content-type": "application/json"} | (headers or {}))
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers.items()), json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers.items()), json.loads(e.read() or b"null")
+
+
+def get(base: str, path: str):
+    return request(base, "GET", path)
+
+
+def chat(base: str, headers: dict | None = None):
+    return request(base, "POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, headers)
+
+
+def batch(base: str):
+    return request(base, "POST", "/v1/completions", {"model": "m", "prompt": "x"})
+
+
+def until(what: str, cond, timeout: float, every: float = 0.02):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        got = cond()
+        if got:
+            return time.monotonic() - t0, got
+        time.sleep(every)
+    pytest.fail(f"not within {timeout} s: {what}")
+
+
+def metric(admin_url: str, name: str, **labels) -> float:
+    text = urllib.request.urlopen(admin_url + "/stats/prometheus", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def back_to_normal(base: str, sidecars: dict) -> None:
+    for s in sidecars.values():
+        s.level, s.header, s.state = 0, "ok", "ok"
+    until("chats back on the interactive pool", lambda: chat(base)[2]["upstream"] == "interactive", 10, every=0.1)
+    until("batch served again", lambda: batch(base)[0] == 200, 10, every=0.1)
+
+
+def test_normal_routing_and_the_level_header_never_reaches_the_client(mesh):
+    base, admin_url, sidecars = mesh
+    back_to_normal(base, sidecars)
+    status, headers, got = chat(base)
+    assert status == 200 and got["upstream"] == "interactive"
+    assert LEVEL not in {k.lower() for k in headers}, "stripped before the client"
+    assert batch(base)[2]["upstream"] == "batch"
+    # A client cannot fake a pool's state: its header is stripped and changes nothing.
+    for _ in range(20):
+        status, headers, got = chat(base, {LEVEL: "interactive;3;0"})
+        assert got["upstream"] == "interactive" and LEVEL not in got["headers"]
+    assert batch(base)[0] == 200
+
+
+def test_a_degraded_pool_under_traffic_spills_within_a_second_sheds_batch_and_recovers(mesh):
+    base, admin_url, sidecars = mesh
+    back_to_normal(base, sidecars)
+    spilled_before = metric(admin_url, "infermesh_spilled_requests_total", pool="interactive")
+    sidecars["interactive"].level = 3
+    spill_s, (status, headers, got) = until("a chat spilled to batch", lambda: (r := chat(base))[2]["upstream"] == "batch" and r, 5)
+    print(f"[pool-state] plain Envoy, under traffic: first spilled chat {spill_s * 1000:.0f} ms after the sidecar reported level 3")
+    assert spill_s < 1.0
+    assert got["headers"]["x-infermesh-class"] == "interactive" and got["headers"]["x-infermesh-spilled-from"] == "interactive"
+    status, headers, body = batch(base)
+    assert status == 429 and headers["retry-after"] == "5" and headers["x-infermesh-shed-by"] == "mesh"
+    assert body["error"]["code"] == "mesh_shedding" and body["error"]["type"] == "rate_limit_error"
+    # What costs no generation is never shed (it falls to the shed default class here).
+    assert get(base, "/v1/models")[0] == 200
+    assert request(base, "POST", "/tokenize", {"prompt": "x"})[0] == 200
+    for _ in range(20):  # steady: every chat spilled, every batch shed, no flapping
+        assert chat(base)[2]["upstream"] == "batch" and batch(base)[0] == 429
+    assert metric(admin_url, "infermesh_spilled_requests_total", pool="interactive") > spilled_before
+    assert metric(admin_url, "infermesh_shed_requests_total", **{"class": "batch"}) > 0
+    sidecars["interactive"].level = 0
+    recover_s, _ = until("chats back on interactive", lambda: chat(base)[2]["upstream"] == "interactive", 10)
+    print(f"[pool-state] plain Envoy: back to normal {recover_s * 1000:.0f} ms after the sidecar reported level 0 (1 s hold)")
+    assert batch(base)[0] == 200
+
+
+def test_an_idle_pool_is_learned_by_the_probe_within_two_seconds(mesh):
+    base, admin_url, sidecars = mesh
+    back_to_normal(base, sidecars)
+    time.sleep(1.0)  # no chat since: the interactive pool is idle, only the probe reads it
+    probes = sidecars["interactive"].probes
+    sidecars["interactive"].level = 3
+    shed_s, _ = until("batch shed for an idle degraded pool", lambda: batch(base)[0] == 429, 5)
+    print(f"[pool-state] plain Envoy, idle pool: first shed request {shed_s * 1000:.0f} ms after the sidecar reported level 3 (probe)")
+    assert shed_s < 2.0 and sidecars["interactive"].probes > probes
+    # Two workers, one probe an interval between them (500 ms): not one per worker.
+    n0, t0 = sidecars["interactive"].probes, time.monotonic()
+    time.sleep(3)
+    rate = (sidecars["interactive"].probes - n0) / (time.monotonic() - t0)
+    assert rate <= 2.6, f"{rate:.1f} probes/s"
+    # A degraded pool that gets no traffic (all spilled) stays known: still shed after the hold.
+    assert batch(base)[0] == 429
+    back_to_normal(base, sidecars)
+
+
+@pytest.mark.parametrize("fault, reason", [("garbage", "bad_header"), ("500", "probe_status"), ("hang", "probe_failed")])
+def test_a_sidecar_that_answers_garbage_or_a_state_endpoint_that_fails_leaves_routing_normal(mesh, fault, reason):
+    base, admin_url, sidecars = mesh
+    back_to_normal(base, sidecars)
+    s = sidecars["interactive"]
+    before = metric(admin_url, "infermesh_pool_state_errors_total", reason=reason)
+    s.level = 3  # the pool is degraded, but what it says of it cannot be read
+    if fault == "garbage":
+        s.header = "garbage"
+        for _ in range(10):
+            status, _, got = chat(base)
+            assert status == 200 and got["upstream"] == "interactive"
+    else:
+        s.state = fault
+        time.sleep(3)  # no traffic: only the probe, which fails
+    until(f"{reason} counted", lambda: metric(admin_url, "infermesh_pool_state_errors_total", reason=reason) > before, 5, every=0.1)
+    assert batch(base)[0] == 200 and chat(base)[0] == 200
+    # A pool whose cluster is gone: counted at every probe, nothing else happens.
+    assert metric(admin_url, "infermesh_pool_state_errors_total", reason="no_cluster") > 0
+    back_to_normal(base, sidecars)
+
