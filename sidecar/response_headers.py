@@ -32,10 +32,12 @@ def pool_level_value(pool: "Pool") -> str:
 
 
 def identity_headers(pool: "Pool", model: str, degraded: bool = False, reason: str = "") -> dict[str, str]:
-    """`x-infermesh-model`, `x-infermesh-degraded` (and `-reason`), `x-infermesh-served-by`,
-    and the replica's pool level (`x-infermesh-pool-level`)."""
+    """`x-infermesh-model`, `x-infermesh-degraded` (and `-reason`), `x-infermesh-served-by`.
+    The pool level is not among them: on the HTTP front every response gets it
+    (state_api.PoolLevelHeader); the gRPC front would send it in trailers, which the filter
+    does not read and so could not strip (gRPC-only pools are learned by the probe)."""
     h = {"x-infermesh-model": model, "x-infermesh-degraded": "true" if degraded else "false",
-         "x-infermesh-served-by": pool.config.served_by, POOL_LEVEL_HEADER: pool_level_value(pool)}
+         "x-infermesh-served-by": pool.config.served_by}
     if degraded and reason:
         h["x-infermesh-degraded-reason"] = reason
     return h

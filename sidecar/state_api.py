@@ -5,8 +5,7 @@
   for pools that get no traffic; it exposes no fault, admin or model action, and nothing a
   client could use beyond what every response's headers already say to the mesh.
 - Every response of the serving app carries `x-infermesh-pool-level` (refusals included: a
-  replica shedding with 429/503 is the one whose level matters most). Generation responses get
-  it from `response_headers.identity_headers`; this middleware adds it to the rest.
+  replica shedding with 429/503 is the one whose level matters most), from this middleware.
 
 `install(app, pool)` is the one call `http_api.build_app` makes.
 """
@@ -28,8 +27,8 @@ _HEADER = POOL_LEVEL_HEADER.encode()
 
 
 class PoolLevelHeader:
-    """ASGI middleware: adds the pool-level header to a response that lacks it (no body
-    buffering, streams untouched)."""
+    """ASGI middleware: adds the pool-level header to every response (no body buffering,
+    streams untouched)."""
 
     def __init__(self, app, pool: "Pool"):
         self.app = app
