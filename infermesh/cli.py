@@ -97,6 +97,13 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     opts = DrillOptions(rate_interactive=args.rate_interactive, rate_batch=args.rate_batch, fault_pool=args.pool)
+    if args.gateway:
+        from .drill import run_remote
+
+        if not args.policy:
+            print("drill: --gateway needs --policy (the policy the cluster runs)", file=sys.stderr)
+            return 2
+        return run_remote(names, Path(args.policy), args.gateway, args.admin, opts, args.json)
     return run_cli(names, Path(args.policy) if args.policy else None, opts, args.json, args.plot)
 
 
@@ -204,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     drill.add_argument("--plot", metavar="FILE.png", help="draw the timeline (with `all`: FILE-SCENARIO.png each)")
     drill.add_argument("--rate-interactive", type=float, default=1.0, help="streaming chats per second (default 1: a 2-core CPU machine)")
     drill.add_argument("--rate-batch", type=float, default=0.5, help="batch completions per second (default 0.5)")
+    drill.add_argument("--gateway", metavar="URL", help="run against a running mesh at this URL (a cluster's gateway) instead of a local one")
+    drill.add_argument("--admin", metavar="POOL=URL", action="append", default=[],
+                       help="with --gateway: a pod's admin API of that pool, e.g. through `kubectl port-forward` (repeat)")
     drill.set_defaults(func=_cmd_drill)
 
     bench = sub.add_parser("bench", help="vllm serve vs plain Envoy vs infermesh, side by side on this machine (docs/bench.md)",

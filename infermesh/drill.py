@@ -37,7 +37,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 
@@ -632,6 +632,69 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     InvalidPolicy(),
     BadRequests(),
 ]}
+
+
+REMOTE_SCENARIOS = ("kv-cache", "gpu-memory", "slow-sidecar", "bad-requests")
+"""What a drill can do to a mesh it did not start: faults through the sidecars' admin API and bad
+input. Killing processes, burning this machine's CPU and editing the control plane's policy file
+are only for the local mesh."""
+
+
+@dataclass
+class RemoteMesh:
+    """A mesh this process did not start (a cluster): its gateway URL and, per pool, the admin
+    API of one of its pods (`kubectl port-forward POD LOCAL:8301`; the chart's
+    `admin.allowFaults: true` lets it take faults)."""
+
+    plan: Any
+    """Only `.policy` is read: the policy the cluster runs (the chart's values)."""
+    base_url: str
+    admins: dict[str, str]
+
+    def admin_url(self, pool: str) -> str:
+        return self.admins[pool]
+
+
+def run_remote(names: list[str], policy_path: Path, gateway: str, admins: list[str], options: DrillOptions, as_json: bool) -> int:
+    """`infermesh drill SCENARIO --gateway URL --admin POOL=URL ...`: the scenarios against a running
+    mesh (docs/kubernetes.md, "Drills against a cluster")."""
+    from types import SimpleNamespace
+
+    from infermesh.meshconfig.policy import PolicyError, load_policy
+
+    from .drill_report import format_report
+
+    def say(msg: str) -> None:
+        print(f"drill: {msg}", file=sys.stderr, flush=True)
+
+    try:
+        policy = load_policy(policy_path)
+    except PolicyError as e:
+        say(f"invalid policy:\n{e}")
+        return 2
+    urls = dict(a.partition("=")[::2] for a in admins)
+    fault_pool = options.fault_pool or policy.classes[min(policy.classes, key=lambda c: policy.classes[c].priority)].pool
+    problems = [f"{n}: only {', '.join(REMOTE_SCENARIOS)} run against a remote mesh" for n in names if n not in REMOTE_SCENARIOS]
+    problems += [f"--admin {p}=URL: {p!r} is not one of the pools {list(policy.pools)}" for p in urls if p not in policy.pools]
+    if fault_pool not in urls:
+        problems.append(f"--admin {fault_pool}=URL is needed: the fault goes to pool {fault_pool}'s admin API")
+    if problems:
+        say("; ".join(problems))
+        return 2
+    mesh = RemoteMesh(SimpleNamespace(policy=policy), gateway.rstrip("/"), urls)
+    reports = []
+    for name in names:
+        try:
+            rep = asyncio.run(Drill(mesh, options, progress=say).run(SCENARIOS[name]))
+        except DrillError as e:
+            say(str(e))
+            return 2
+        reports.append(rep)
+        if not as_json:
+            print(format_report(rep), flush=True)
+    if as_json:
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+    return 0 if all(r["passed"] for r in reports) else 1
 
 
 def run_cli(names: list[str], policy_path: Path | None, options: DrillOptions, as_json: bool, plot: str | None) -> int:
