@@ -94,7 +94,7 @@ enum StateError {
     BadHeader = 0,
     /// It names a pool the config keeps no state for.
     UnknownPool,
-    /// The probe got no response (timeout, reset, no healthy host).
+    /// The probe got no response (reset, no connection); a timeout comes back as Envoy's 504.
     ProbeFailed,
     /// The probe got a response other than 200.
     ProbeStatus,
