@@ -47,13 +47,36 @@ REQUEST_BUFFER_LIMIT_BYTES = 2 * 1024 * 1024 + 1024 * 1024
 
 
 @dataclass(frozen=True)
+class Replica:
+    """Where one sidecar of a pool listens: its OpenAI HTTP front and (if any) its gRPC front."""
+
+    host: str
+    port: int
+    grpc_port: int = 0
+
+
+@dataclass(frozen=True)
 class PoolEndpoint:
-    """Where one pool's sidecar listens: its OpenAI HTTP front and (if any) its gRPC front."""
+    """Where one pool's sidecars listen: the first replica's fronts, then any further replicas.
+    Each replica is its own endpoint of the pool's clusters."""
 
     pool: str
     host: str
     port: int
     grpc_port: int = 0
+    more_replicas: tuple[Replica, ...] = ()
+    """Replicas after the first (a pool's `replicas` above 1)."""
+
+    @classmethod
+    def of(cls, pool: str, replicas: "list[Replica] | list[tuple]") -> "PoolEndpoint":
+        rs = [r if isinstance(r, Replica) else Replica(*r) for r in replicas]
+        if not rs:
+            raise ValueError(f"pool {pool!r} has no replica")
+        return cls(pool, rs[0].host, rs[0].port, rs[0].grpc_port, tuple(rs[1:]))
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        return (Replica(self.host, self.port, self.grpc_port), *self.more_replicas)
 
 
 @dataclass(frozen=True)
@@ -436,10 +459,10 @@ def pool_clusters(m: MeshListener) -> list[tuple[PoolEndpoint, bool]]:
 
 
 def load_assignment(m: MeshListener, pool: str, grpc: bool = False) -> dict:
-    """The pool's endpoints at priority 0 and its failover pool's at priority 1."""
+    """The pool's endpoints (one per replica) at priority 0 and its failover pool's at priority 1."""
     def lb(p: PoolEndpoint) -> list[dict]:
-        port = p.grpc_port if grpc else p.port
-        return [{"endpoint": {"address": {"socket_address": {"address": p.host, "port_value": port}}}}] if port else []
+        ports = [(r.host, r.grpc_port if grpc else r.port) for r in p.replicas]
+        return [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}} for host, port in ports if port]
 
     endpoints = [{"priority": 0, "lb_endpoints": lb(m.pool(pool))}]
     backup = m.failover.get(pool)

@@ -116,8 +116,12 @@ class MeshTarget:
     listen_host: str
     listen_port: int
     wasm_path: Path
-    endpoints: dict[str, tuple[str, int, int]]
-    """pool -> (host, HTTP port, gRPC port or 0)."""
+    endpoints: dict[str, tuple[str, int, int] | list[tuple[str, int, int]]]
+    """pool -> (host, HTTP port, gRPC port or 0), or a list of them: one per replica."""
+
+    def replicas(self, pool: str) -> list[tuple[str, int, int]]:
+        e = self.endpoints[pool]
+        return [e] if isinstance(e, tuple) else list(e)
 
 
 def mesh_listener(policy: Policy, target: MeshTarget, levels: dict[str, int] | None = None) -> MeshListener:
@@ -134,7 +138,7 @@ def mesh_listener(policy: Policy, target: MeshTarget, levels: dict[str, int] | N
         admin_port=0,
         wasm_path=target.wasm_path,
         filter_config=policy.filter_config(),
-        pools=[PoolEndpoint(name, *target.endpoints[name]) for name in policy.pools],
+        pools=[PoolEndpoint.of(name, target.replicas(name)) for name in policy.pools],
         default_pool=policy.default_pool,
         spill=spill,
         shed_classes=shed,
