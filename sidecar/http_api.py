@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .errors import BadRequest, PayloadTooLarge, SidecarError
 from .lifecycle import Front, RequestLifecycle
 from .pool import Pool
-from .requests import Completion, GenerationRequest, TokenDelta
+from .requests import TTFT_GIVE_UP_HEADER, Completion, GenerationRequest, TokenDelta, ttft_give_up_s
 from .response_headers import identity_headers
 
 log = logging.getLogger("infermesh.sidecar.http")
@@ -160,6 +160,7 @@ def build_app(pool: Pool) -> FastAPI:
             pool.refuse(Front.HTTP, api, request_class, e)
             return _error_response(e)
         req.request_class = request_class
+        req.ttft_give_up_s = ttft_give_up_s(request.headers.get(TTFT_GIVE_UP_HEADER))
         stream = bool(body.get("stream", False))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if stream else False
         life = pool.lifecycle(req, Front.HTTP, api)

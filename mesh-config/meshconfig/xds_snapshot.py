@@ -26,6 +26,7 @@ from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
+from envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import client_side_weighted_round_robin_pb2  # noqa: F401
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401

@@ -92,3 +92,23 @@ def test_a_pool_is_as_degraded_as_its_least_degraded_replica():
     assert got[-1] == ("interactive", 3)
     r0("interactive", 1)
     assert got[-1] == ("interactive", 1)
+
+
+def test_pool_clusters_balance_by_the_replicas_load_reports_and_the_edge_strips_them():
+    from infermesh.meshconfig.envoy_resources import CSWRR_TYPE, ORCA_HEADER
+
+    b = bootstrap(LocalMeshPlan().listener(Path("/x.wasm")))
+    for c in b["static_resources"]["clusters"]:
+        (p,) = c["load_balancing_policy"]["policies"]
+        cfg = p["typed_extension_config"]["typed_config"]
+        assert cfg["@type"] == CSWRR_TYPE
+        assert cfg["blackout_period"] == "1s" and cfg["weight_expiration_period"] == "5s"
+    hcm = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["route_config"]["virtual_hosts"][0]["response_headers_to_remove"] == [ORCA_HEADER]
+
+
+def test_the_orca_header_is_the_one_the_sidecar_sends():
+    from infermesh.meshconfig.envoy_resources import ORCA_HEADER
+    from infermesh.sidecar.load_report import ORCA_HEADER as sidecar_header
+
+    assert sidecar_header == ORCA_HEADER

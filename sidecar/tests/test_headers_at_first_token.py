@@ -125,3 +125,27 @@ def test_grpc_initial_metadata_waits_for_the_first_message(make_pool, first_afte
 
     waited = asyncio.run(main())
     assert waited >= first_after, f"initial metadata came {waited:.3f}s in, before the first message"
+
+
+def test_no_first_token_within_the_give_up_limit_is_a_504_and_an_abort(make_pool):
+    pool = make_pool(CONFIG)
+    llm = pool.primary.engine
+    _hold_first_token(llm)  # a stalled engine
+    r = TestClient(build_app(pool)).post("/v1/chat/completions", json=CHAT, headers={"x-infermesh-ttft-give-up-ms": "200"})
+    assert r.status_code == 504
+    assert r.json()["error"]["code"] == "ttft_deadline_exceeded"
+    assert r.headers["retry-after"] == "1"
+    assert len(llm.aborted) == 1 and not llm.unfinished and pool.inflight == 0
+
+
+def test_a_first_token_in_time_streams_as_usual(make_pool):
+    pool = make_pool(CONFIG)
+    r = TestClient(build_app(pool)).post("/v1/chat/completions", json=CHAT, headers={"x-infermesh-ttft-give-up-ms": "5000"})
+    assert r.status_code == 200 and "data: [DONE]" in r.text
+
+
+@pytest.mark.parametrize("value", ["", "abc", "-5", "0"])
+def test_a_bad_give_up_value_is_ignored(value):
+    from infermesh.sidecar.requests import ttft_give_up_s
+
+    assert ttft_give_up_s(value) is None
