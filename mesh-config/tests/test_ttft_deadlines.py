@@ -128,3 +128,10 @@ def test_real_envoy_validates_deadlines_hedging_and_the_retry_budget(tmp_path):
     r = subprocess.run([str(paths.envoy_binary()), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_istio_routes_carry_no_deadline_they_cannot_hedge(tmp_path):
+    from infermesh.meshconfig import istio
+
+    parts = istio.route_parts(load_policy(deadline_policy(tmp_path)))
+    assert parts and all(TTFT_GIVE_UP_HEADER not in (p["http"].get("headers") or {}).get("request", {}).get("set", {}) for p in parts)
