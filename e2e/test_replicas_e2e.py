@@ -68,21 +68,22 @@ def unfinished(mesh: LocalMesh, replica: int) -> int:
     return sum(e["unfinished"] for e in mesh.admin_state("interactive", replica)["engines"])
 
 
-def host_requests(mesh: LocalMesh) -> dict[int, int]:
-    """Envoy's attempts per interactive replica (its /clusters rq_total), by the replica's port."""
+def host_stat(mesh: LocalMesh, stat: str = "rq_total") -> dict[int, int]:
+    """One per-host value of the interactive cluster in Envoy's /clusters (rq_total: its attempts;
+    weight: what weighted round robin made of its reports), by the replica's port."""
     with urllib.request.urlopen(f"http://127.0.0.1:{mesh.plan.admin_port}/clusters", timeout=5) as r:
         lines = r.read().decode().splitlines()
     out = {}
     for line in lines:
         parts = line.split("::")
-        if parts[0] == "pool_interactive" and len(parts) == 4 and parts[2] == "rq_total":
+        if parts[0] == "pool_interactive" and len(parts) == 4 and parts[2] == stat:
             out[int(parts[1].rsplit(":", 1)[1])] = int(parts[3])
     return out
 
 
 def test_both_replicas_serve_and_no_client_sees_the_load_report(mesh):
     served = [chat(mesh.base_url)["served_by"] for _ in range(8)]
-    attempts = host_requests(mesh)
+    attempts = host_stat(mesh)
     print(f"[replicas] served by {served}; Envoy's attempts per port {attempts}")
     # Both replicas get attempts (on a loaded machine one may lose its hedges to the other).
     assert all(attempts.get(p.http_port, 0) > 0 for p in mesh.plan.replicas("interactive")), attempts
@@ -106,9 +107,9 @@ def test_a_stalled_replica_is_hedged_within_the_deadline_and_holds_nothing_after
             results = list(pool.map(lambda _: chat(mesh.base_url, max_tokens=8), range(12)))
     finally:
         httpx.delete(admin + "/admin/faults/stall", timeout=5)
+    print(f"[stall] TTFTs (s): {[x['ttft'] and round(x['ttft'], 3) for x in results]}; served by {[x['served_by'] for x in results]}")
+    assert all(x["status"] == 200 and x["ttft"] is not None for x in results), [(x["status"], x["text"][:200]) for x in results]
     ttfts = sorted(x["ttft"] for x in results)
-    print(f"[stall] TTFTs (s): {[round(t, 3) for t in ttfts]}; served by {[x['served_by'] for x in results]}")
-    assert all(x["status"] == 200 for x in results), [x["status"] for x in results]
     assert ttfts[-1] <= DEADLINE_S + MARGIN_S, ttfts
     # Hedging never duplicates a response: one stream, ended once.
     assert all(x["text"].count("data: [DONE]") == 1 for x in results)
@@ -138,12 +139,14 @@ def test_a_loaded_replica_gets_fewer_new_requests_from_its_own_reports(mesh):
     try:
         time.sleep(2)
         served = [chat(mesh.base_url, max_tokens=4)["served_by"] for _ in range(30)]
+        weights = host_stat(mesh, "weight")
     finally:
         stop.set()
         for t in loaders:
             t.join(timeout=30)
     share = served.count("interactive/1") / len(served)
-    print(f"[load] served by the unloaded replica: {share:.0%} ({served})")
+    print(f"[load] served by the unloaded replica: {share:.0%} ({served}); Envoy's weights by port {weights}, "
+          f"replica ports {[p.http_port for p in mesh.plan.replicas('interactive')]}")
     assert share >= 0.7, served
 
 

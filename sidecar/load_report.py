@@ -11,11 +11,15 @@ busy replica (the one whose weight matters) reports most often. An idle replica 
 and falls back to the median weight once its last report expires, which is what lets a replica
 that was starved get traffic again.
 
-- rps_fractional: requests admitted over the last `window_s` seconds, per second (0 when idle:
-  Envoy drops a report with rps 0, so an idle replica keeps the default weight).
-- eps: requests that failed on the server side (5xx) over the same window, per second.
 - application_utilization: the larger of the KV cache's use and the requests in flight (running
   plus waiting) per `max_num_seqs` sequence slot; a waiting queue pushes it above 1.
+- rps_fractional: a constant 1, so Envoy's weight is 1 / (utilization + eps × penalty): a
+  replica's share follows its headroom. The real request rate would make the weight
+  rps / utilization, which rewards the busiest replica here: a request's cost is its length, not
+  its count, so a replica full of long streams still reports a high rate per unit of utilization
+  (measured, docs/replicas.md: 38 of 45 new requests went to the loaded replica), and the share it
+  wins raises its rate further. The measured rate is reported as `named_metrics.rps`.
+- eps: requests that failed on the server side (5xx) over the last `window_s`, per second.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from dataclasses import dataclass
 
 ORCA_HEADER = "endpoint-load-metrics"
 
+WEIGHT_NUMERATOR = 1.0
+"""What the report sends as `rps_fractional` (see above)."""
+
 MIN_UTILIZATION = 0.01
 """Envoy falls back to cpu_utilization (which we do not report) when application_utilization
 is 0; the request being answered is itself in flight, so this is only a floor for rounding."""
@@ -35,11 +42,13 @@ is 0; the request being answered is itself in flight, so this is only a floor fo
 @dataclass(frozen=True)
 class LoadReport:
     rps: float
+    """Requests admitted per second over the window (named_metrics.rps)."""
     eps: float
     utilization: float
 
     def header_value(self) -> str:
-        return f"TEXT rps_fractional={self.rps:.4f},eps={self.eps:.4f},application_utilization={self.utilization:.4f}"
+        return (f"TEXT rps_fractional={WEIGHT_NUMERATOR:g},eps={self.eps:.4f},application_utilization={self.utilization:.4f},"
+                f"named_metrics.rps={self.rps:.4f}")
 
 
 class LoadReporter:

@@ -13,7 +13,8 @@ from infermesh.sidecar.http_api import build_app
 from infermesh.sidecar.load_report import ORCA_HEADER, LoadReporter
 
 # Envoy's TEXT form: `TEXT key=value,...`, known keys, each once, non-negative numbers.
-TEXT = re.compile(r"^TEXT rps_fractional=(?P<rps>[0-9.]+),eps=(?P<eps>[0-9.]+),application_utilization=(?P<u>[0-9.]+)$")
+TEXT = re.compile(r"^TEXT rps_fractional=(?P<num>[0-9.]+),eps=(?P<eps>[0-9.]+),application_utilization=(?P<u>[0-9.]+),"
+                  r"named_metrics\.rps=(?P<rps>[0-9.]+)$")
 
 
 class FakeClock:
@@ -49,6 +50,8 @@ def test_the_header_is_envoys_text_form():
     r.on_admitted()
     m = TEXT.match(r.report().header_value())
     assert m and float(m["rps"]) == 0.2 and float(m["u"]) == 0.25
+    # Envoy's weight is rps_fractional / utilization: a constant numerator makes it headroom.
+    assert float(m["num"]) == 1.0
 
 
 def test_every_generation_response_carries_a_report(make_pool):
