@@ -34,9 +34,10 @@ ORCA_HEADER = "endpoint-load-metrics"
 WEIGHT_NUMERATOR = 1.0
 """What the report sends as `rps_fractional` (see above)."""
 
-MIN_UTILIZATION = 0.01
+MIN_UTILIZATION = 0.05
 """Envoy falls back to cpu_utilization (which we do not report) when application_utilization
-is 0; the request being answered is itself in flight, so this is only a floor for rounding."""
+is 0; the floor also bounds how far one replica's weight can rise above another's (the mesh's
+host selection retries, envoy_resources.HOST_SELECTION_ATTEMPTS, must outlast that ratio)."""
 
 
 @dataclass(frozen=True)

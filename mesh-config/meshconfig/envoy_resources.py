@@ -237,6 +237,10 @@ RETRY_ON = "connect-failure,refused-stream,reset"
 NUM_RETRIES = 2
 
 
+HOST_SELECTION_ATTEMPTS = 50
+"""Above the largest weight ratio the load reports can make (utilization floor 0.05, see
+sidecar/load_report.py); a pick is a few nanoseconds."""
+
 TTFT_GIVE_UP_HEADER = "x-infermesh-ttft-give-up-ms"
 """Set by a hedging class's route: a sidecar that has no first token this long after the request
 arrived answers 504 itself. Envoy stops hedging once its retries are spent and would otherwise
@@ -292,7 +296,11 @@ def retry_policy(d: Deadline | None = None, replicas: int = 1) -> dict:
             "name": "envoy.retry_host_predicates.previous_hosts",
             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
         }],
-        "host_selection_retry_max_attempts": 3,
+        # Weighted round robin picks a replica many times in a row when its weight is far above
+        # the others' (a stalled replica keeps its last, idle weight until it expires), and each
+        # pick `previous_hosts` rejects is one of these attempts; after the last one Envoy takes
+        # the rejected host anyway, so a hedge would go back to the stalled replica (seen e2e).
+        "host_selection_retry_max_attempts": HOST_SELECTION_ATTEMPTS,
     }
     if d is not None:
         out["num_retries"] = d.num_retries

@@ -135,3 +135,12 @@ def test_istio_routes_carry_no_deadline_they_cannot_hedge(tmp_path):
 
     parts = istio.route_parts(load_policy(deadline_policy(tmp_path)))
     assert parts and all(TTFT_GIVE_UP_HEADER not in (p["http"].get("headers") or {}).get("request", {}).get("set", {}) for p in parts)
+
+
+def test_a_hedge_finds_another_replica_whatever_the_weights():
+    """previous_hosts rejects picks of the tried replica; weighted round robin can pick it up to
+    the weight ratio times in a row (utilization 2, a queue, against the floor)."""
+    from infermesh.meshconfig.envoy_resources import retry_policy
+    from infermesh.sidecar.load_report import MIN_UTILIZATION
+
+    assert retry_policy()["host_selection_retry_max_attempts"] >= 2 / MIN_UTILIZATION
