@@ -125,10 +125,13 @@ def test_a_stalled_replica_is_hedged_within_the_deadline_and_holds_nothing_after
 def test_a_loaded_replica_gets_fewer_new_requests_from_its_own_reports(mesh):
     stop = threading.Event()
     direct = mesh.sidecar_url("interactive", 0)
+    statuses: list[int] = []
 
     def long_stream():
-        body = {"model": "tiny-llama", "prompt": "x " * 200, "max_tokens": 700, "stream": True, "ignore_eos": True}
+        # 200 prompt tokens + 700: inside max_model_len (1024), far beyond the KV cache's share.
+        body = {"model": "tiny-llama", "prompt": "x " * 100, "max_tokens": 700, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", direct + "/v1/completions", json=body, timeout=120) as r:
+            statuses.append(r.status_code)
             for _ in r.iter_lines():
                 if stop.is_set():
                     return
@@ -138,6 +141,7 @@ def test_a_loaded_replica_gets_fewer_new_requests_from_its_own_reports(mesh):
         t.start()
     try:
         time.sleep(2)
+        assert statuses == [200] * len(loaders), statuses  # the load is real
         served = [chat(mesh.base_url, max_tokens=4)["served_by"] for _ in range(30)]
         weights = host_stat(mesh, "weight")
     finally:

@@ -91,11 +91,14 @@ async def window(base: str, opt: Options) -> dict:
 async def loaded(replica_url: str, n: int, stop: asyncio.Event) -> None:
     """Keep `n` long streams on one replica until `stop` (restarting any that end)."""
     async def stream():
-        body = {"model": "tiny-llama", "prompt": "x " * 200, "max_tokens": 700, "stream": True, "ignore_eos": True}
+        # 200 prompt tokens + 700: inside max_model_len (1024), far beyond the KV cache's share.
+        body = {"model": "tiny-llama", "prompt": "x " * 100, "max_tokens": 700, "stream": True, "ignore_eos": True}
         async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
             while not stop.is_set():
                 try:
                     async with client.stream("POST", replica_url + "/v1/completions", json=body) as r:
+                        if r.status_code != 200:  # no load at all: the scenario would be void
+                            raise RuntimeError(f"a long stream was refused: {r.status_code} {(await r.aread())[:200]!r}")
                         async for _ in r.aiter_lines():
                             if stop.is_set():
                                 return
