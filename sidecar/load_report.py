@@ -16,9 +16,8 @@ that was starved get traffic again.
 - rps_fractional: a constant 1, so Envoy's weight is 1 / (utilization + eps × penalty): a
   replica's share follows its headroom. The real request rate would make the weight
   rps / utilization, which rewards the busiest replica here: a request's cost is its length, not
-  its count, so a replica full of long streams still reports a high rate per unit of utilization
-  (measured, docs/replicas.md: 38 of 45 new requests went to the loaded replica), and the share it
-  wins raises its rate further. The measured rate is reported as `named_metrics.rps`.
+  its count, and the share a replica wins raises its rate and so its weight again
+  (docs/replicas.md). The measured rate is reported as `named_metrics.rps`.
 - eps: requests that failed on the server side (5xx) over the last `window_s`, per second.
 """
 
