@@ -10,7 +10,7 @@ of those import it (see infermesh/tests/test_import_direction.py).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Any, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -112,6 +112,19 @@ class ModelSettings(Strict):
     """Sequences vLLM batches at once."""
     dtype: Dtype = "auto"
     """vLLM's weight and activation dtype."""
+    chat_template: str | None = None
+    """vLLM's `--chat-template`: a Jinja template (file path or literal); none: the tokenizer's."""
+    tool_call_parser: str | None = None
+    """vLLM's `--tool-call-parser` (e.g. `hermes`): how tool calls are read from the output."""
+    enable_auto_tool_choice: bool = False
+    """vLLM's `--enable-auto-tool-choice`: `tool_choice: auto` lets the model call tools (needs a parser)."""
+    reasoning_parser: str | None = None
+    """vLLM's `--reasoning-parser`: splits reasoning from content (e.g. `deepseek_r1`)."""
+    default_chat_template_kwargs: dict[str, Any] = {}
+    """vLLM's `--default-chat-template-kwargs`: passed to the template unless a request overrides them."""
+    generation_config: Annotated[str, Field(min_length=1)] = "auto"
+    """vLLM's `--generation-config`: `auto` applies the model's generation_config.json defaults,
+    `vllm` ignores them, or a folder to read one from."""
 
 
 def check_ladder(models: list) -> list:

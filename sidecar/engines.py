@@ -79,6 +79,7 @@ class ModelEngine:
             kv_cache_memory_bytes=m.kv_cache_bytes,
             max_num_seqs=m.max_num_seqs,
             dtype=m.dtype,
+            generation_config=m.generation_config,
             enforce_eager=True,
             disable_log_stats=True,
             scheduling_policy="priority" if self.priority_scheduling else "fcfs",
