@@ -63,6 +63,8 @@ class ModelEngine:
         self.sleeping = False
         self.pids: list[int] = []
         """vLLM's engine-core process(es) of this model: what the stall fault stops."""
+        self.prometheus: set = set()
+        """vLLM's own metric collectors of this engine (`vllm:*`, labelled by model_name)."""
 
     def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -90,9 +92,12 @@ class ModelEngine:
             def __init__(self, vllm_config, engine_index: int = 0):
                 _StatsLogger.__init__(self, sink)
 
-        before = _child_pids()
+        from .metrics import vllm_collectors
+
+        before, collectors = _child_pids(), vllm_collectors()
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[Logger])
         self.pids = sorted(_child_pids() - before)
+        self.prometheus = vllm_collectors() - collectors
         self.tokenizer = self.engine.get_tokenizer()
         self.load_seconds = time.monotonic() - t0
         log.info("engine ready", extra={"model": m.name, "load_seconds": round(self.load_seconds, 2)})

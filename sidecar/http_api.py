@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .errors import BadRequest, PayloadTooLarge, SidecarError
 from .lifecycle import Front, RequestLifecycle
+from .metrics import process_metrics
 from .pool import Pool
 from .requests import GenerationRequest
 from .response_headers import identity_headers
@@ -202,11 +203,10 @@ def build_app(pool: Pool) -> FastAPI:
 
     @app.get("/metrics")
     async def prom() -> Response:
-        from prometheus_client import REGISTRY
-
         metrics.inflight.set(pool.inflight)
-        # infermesh's own registry, then the process registry vLLM's stat loggers fill (`vllm:*`).
-        return Response(generate_latest(metrics.registry) + generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        # infermesh's own registry, then vLLM's `vllm:*` series of every loaded engine.
+        vllm = process_metrics([m.prometheus for m in pool.ladder if m.engine is not None])
+        return Response(generate_latest(metrics.registry) + vllm, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -261,7 +261,12 @@ def build_app(pool: Pool) -> FastAPI:
         if isinstance(req, Response):
             pool.refuse(Front.HTTP, api.name, request_class, BadRequest("invalid request"))
             return req
-        ticket = GenerationRequest(model=getattr(req, "model", None), n=getattr(req, "n", None) or 1, request_class=request_class)
+        n = getattr(req, "n", None) or 1
+        if n > cfg.server.max_n:  # the pool's own limit (server.max_n), beyond vLLM's checks
+            e = BadRequest(f"`n` must be at most {cfg.server.max_n} on this pool", param="n")
+            pool.refuse(Front.HTTP, api.name, request_class, e)
+            return _error_response(e)
+        ticket = GenerationRequest(model=getattr(req, "model", None), n=n, request_class=request_class)
         life = pool.lifecycle(ticket, Front.HTTP, api.name)
         try:
             adm = life.admit()

@@ -135,6 +135,7 @@ def test_degraded_request_is_served_by_the_fallback_under_its_name(client):
         ("/v1/chat/completions", json.dumps(CHAT | {"stream": True, "stream_options": 5}).encode(), 400, "body.stream_options"),
         ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}).encode(), 400, None),
         ("/v1/chat/completions", json.dumps(CHAT | {"model": "gpt-9"}).encode(), 404, "model"),
+        ("/v1/chat/completions", json.dumps(CHAT | {"n": 99}).encode(), 400, "n"),
         ("/v1/chat/completions", json.dumps(CHAT | {"max_tokens": 5000}).encode(), 400, None),
         ("/v1/completions", json.dumps({"prompt": {"a": 1}}).encode(), 400, None),
         ("/v1/completions", json.dumps({"prompt": "x" * 4000}).encode(), 413, None),
@@ -227,3 +228,19 @@ def test_a_vanished_non_streaming_client_releases_its_request_at_once(client):
     asyncio.run(run())
     assert not client.llm.unfinished and client.pool.inflight == 0 and len(client.llm.aborted) == 1
     assert sample(client, "infermesh_sidecar_requests_total", front="http", api="completions", request_class="", status="499") == 1
+
+
+def test_vllm_series_of_every_engine_are_served_as_one_family_each():
+    """Each engine has its own vLLM logger; the second unregistered the first's (vLLM does that)."""
+    from prometheus_client import Counter
+
+    from infermesh.sidecar.metrics import process_metrics
+
+    engines = []
+    for model in ("big", "small"):
+        c = Counter("vllm:fake_tokens", "Tokens.", ["model_name"], registry=None)
+        c.labels(model).inc(3)
+        engines.append({c})
+    text = process_metrics(engines).decode()
+    assert text.count("# TYPE vllm:fake_tokens_total counter") == 1
+    assert 'vllm:fake_tokens_total{model_name="big"} 3.0' in text and 'vllm:fake_tokens_total{model_name="small"} 3.0' in text
