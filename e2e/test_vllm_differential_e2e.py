@@ -74,7 +74,23 @@ CASES: dict[str, tuple[str, dict]] = {
     "bad-prompt-type": cmpl(prompt={"a": 1}),
     "bad-messages-missing": ("/v1/chat/completions", {"model": MODEL}),
     "bad-unknown-model": chat(model="gpt-9"),
+    "responses": ("/v1/responses", {"model": MODEL, "input": "Hello!", "temperature": 0, "max_output_tokens": 12}),
+    "messages": ("/v1/messages", {"model": MODEL, "messages": HI, "temperature": 0, "max_tokens": 12}),
+    "messages-tools": ("/v1/messages", {"model": MODEL, "messages": HI, "temperature": 0, "max_tokens": 24,
+                                        "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+                                        "tool_choice": {"type": "tool", "name": "get_weather"}}),
+    "bad-messages-no-max-tokens": ("/v1/messages", {"model": MODEL, "messages": HI}),
 }
+
+VOLATILE = {"id", "created", "created_at", "completed_at", "call_id", "signature", "infermesh", "system_fingerprint"}
+
+
+def _without_volatile(v):
+    if isinstance(v, dict):
+        return {k: _without_volatile(x) for k, x in v.items() if k not in VOLATILE and not k.endswith("_id")}
+    if isinstance(v, list):
+        return [_without_volatile(x) for x in v]
+    return round(v, 4) if isinstance(v, float) else v
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +140,10 @@ def essence(status: int, body) -> dict:
     """What must agree: the status, the error class, each choice's text / tool calls / logprobs /
     finish reason, the token counts. Ids, timestamps and the mesh's additions are left out."""
     if status != 200:
-        return {"status": status, "error": body["error"].get("type") if isinstance(body, dict) and "error" in body else body}
+        error = body.get("error") if isinstance(body, dict) else None
+        return {"status": status, "error": error.get("type") if isinstance(error, dict) else body}
+    if isinstance(body, dict) and body.get("object") not in ("chat.completion", "text_completion"):
+        return {"status": 200, "body": _without_volatile(body)}  # /v1/responses, /v1/messages: the whole answer
     if isinstance(body, list):  # a stream: fold the chunks per choice
         choices: dict[int, dict] = {}
         usage = None

@@ -193,10 +193,15 @@ def test_models_tokenize_detokenize_and_metrics(client):
     assert 'infermesh_sidecar_requests_total{api="completions",front="http",request_class="",status="200"} 1.0' in text
 
 
-def test_anthropic_messages(client):
-    r = client.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_messages(client, stream):
+    r = client.post("/v1/messages", json={"model": "m", "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200, r.text
-    assert r.json()["content"][0]["text"] == "Hello world!" and r.headers["x-infermesh-model"] == "m-large"
+    assert r.headers["x-infermesh-model"] == "m-large" and client.pool.inflight == 0
+    if stream:
+        assert "message_stop" in r.text and "text_delta" in r.text
+    else:
+        assert r.json()["content"][0]["text"] == "Hello world!"
 
 
 def test_a_vanished_non_streaming_client_releases_its_request_at_once(client):
@@ -244,3 +249,14 @@ def test_vllm_series_of_every_engine_are_served_as_one_family_each():
     text = process_metrics(engines).decode()
     assert text.count("# TYPE vllm:fake_tokens_total counter") == 1
     assert 'vllm:fake_tokens_total{model_name="big"} 3.0' in text and 'vllm:fake_tokens_total{model_name="small"} 3.0' in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_api(client, stream):
+    r = client.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 8, "stream": stream})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-infermesh-model"] == "m-large" and client.pool.inflight == 0
+    if stream:
+        assert "response.completed" in r.text and "Hello world!" in r.text
+    else:
+        assert r.json()["output"][-1]["content"][0]["text"] == "Hello world!"
