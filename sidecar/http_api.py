@@ -117,7 +117,7 @@ async def _parse(model: Any, request: Request, body: bytes) -> Any:
     except ValidationError as e:
         errors = [dict(err, loc=("body", *err["loc"])) for err in e.errors(include_url=False)]
         return await _VllmErrors.validation(errors)
-    except (ValueError, TypeError) as e:  # a validator that raised outside pydantic's wrapping
+    except Exception as e:  # a validator that raised past pydantic (VLLMValidationError): vLLM's handlers' answer
         return _VllmErrors.of(e)
 
 

@@ -260,3 +260,8 @@ def test_responses_api(client, stream):
         assert "response.completed" in r.text and "Hello world!" in r.text
     else:
         assert r.json()["output"][-1]["content"][0]["text"] == "Hello world!"
+
+
+def test_top_logprobs_without_logprobs_is_vllms_400(client):
+    r = client.post("/v1/chat/completions", json=CHAT | {"top_logprobs": 3})
+    assert r.status_code == 400, r.text
