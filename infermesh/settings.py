@@ -5,14 +5,17 @@ sidecar's own config (`infermesh.sidecar.config`) is built from the same types, 
 policy leaves out gets the same default whether the sidecar reads a policy or a config file.
 
 This module imports neither `infermesh.meshconfig` nor `infermesh.sidecar` (only pydantic): both
-of those import it (see infermesh/tests/test_import_direction.py).
+of those import it (see infermesh/tests/test_import_direction.py). vLLM is imported only to check
+a model's tool-call or reasoning parser name against vLLM's own registries, and only when one is
+set (importing vLLM takes seconds).
 """
 
 from __future__ import annotations
 
-from typing import Any, Annotated, Literal
+from functools import lru_cache
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 NAME = r"^[A-Za-z0-9_-]{1,64}$"
 """Class, pool, rule and breaker names: they end up in header values and metric names."""
@@ -112,19 +115,84 @@ class ModelSettings(Strict):
     """Sequences vLLM batches at once."""
     dtype: Dtype = "auto"
     """vLLM's weight and activation dtype."""
-    chat_template: str | None = None
-    """vLLM's `--chat-template`: a Jinja template (file path or literal); none: the tokenizer's."""
-    tool_call_parser: str | None = None
-    """vLLM's `--tool-call-parser` (e.g. `hermes`): how tool calls are read from the output."""
+    chat_template: Annotated[str, Field(min_length=1)] | None = None
+    """The chat template (vLLM's `--chat-template`): a file path on the sidecar's machine, a name of
+    vLLM's bundled templates, or the Jinja text itself; default: the tokenizer's own."""
+    tool_call_parser: Annotated[str, Field(min_length=1)] | None = None
+    """How tool calls are read from this model's output (vLLM's `--tool-call-parser`: a name
+    registered in vLLM's ToolParserManager, e.g. `hermes`, `llama3_json`)."""
     enable_auto_tool_choice: bool = False
-    """vLLM's `--enable-auto-tool-choice`: `tool_choice: auto` lets the model call tools (needs a parser)."""
-    reasoning_parser: str | None = None
-    """vLLM's `--reasoning-parser`: splits reasoning from content (e.g. `deepseek_r1`)."""
+    """Let the model decide to call tools (`tool_choice: auto`; vLLM's `--enable-auto-tool-choice`).
+    Needs `tool_call_parser`."""
+    reasoning_parser: Annotated[str, Field(min_length=1)] | None = None
+    """How reasoning is split from the answer (vLLM's `--reasoning-parser`: a name registered in
+    vLLM's ReasoningParserManager, e.g. `deepseek_r1`, `qwen3`); structured output starts after it."""
     default_chat_template_kwargs: dict[str, Any] = {}
-    """vLLM's `--default-chat-template-kwargs`: passed to the template unless a request overrides them."""
+    """Variables every chat render gets (vLLM's `--default-chat-template-kwargs`), under a request's
+    own `chat_template_kwargs`; e.g. `{enable_thinking: false}`."""
     generation_config: Annotated[str, Field(min_length=1)] = "auto"
-    """vLLM's `--generation-config`: `auto` applies the model's generation_config.json defaults,
-    `vllm` ignores them, or a folder to read one from."""
+    """Where default sampling settings come from (vLLM's `--generation-config`): `auto` the model's
+    generation_config.json, `vllm` vLLM's neutral defaults, or a folder holding a
+    generation_config.json. A request's own settings win."""
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, template: str | None) -> str | None:
+        if template is not None and (why := jinja_error(template)):
+            raise ValueError(why)
+        return template
+
+    @field_validator("tool_call_parser", "reasoning_parser")
+    @classmethod
+    def _parser(cls, name: str | None, info: ValidationInfo) -> str | None:
+        kind = "tool" if info.field_name == "tool_call_parser" else "reasoning"
+        if name is not None and (names := vllm_parser_names(kind)) is not None and name not in names:
+            what = "tool-call" if kind == "tool" else "reasoning"
+            raise ValueError(f"{name!r} is not one of vLLM's {what} parsers: {', '.join(names)}")
+        return name
+
+    @field_validator("enable_auto_tool_choice")
+    @classmethod
+    def _auto_tools_need_parser(cls, on: bool, info: ValidationInfo) -> bool:
+        # tool_call_parser is validated first (field order); a bad one was reported already.
+        if on and "tool_call_parser" in info.data and info.data["tool_call_parser"] is None:
+            raise ValueError("enable_auto_tool_choice requires tool_call_parser (as vLLM's --enable-auto-tool-choice does)")
+        return on
+
+
+JINJA_CHARS = "{}\n"
+"""vLLM's test for a chat template given as text rather than as a path (renderers/chat_utils.py)."""
+
+
+def jinja_error(template: str) -> str | None:
+    """Why an inline chat template does not parse as Jinja (None: it does, or it is a path, which
+    only the sidecar's machine can open)."""
+    if not any(c in template for c in JINJA_CHARS):
+        return None
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # The environment transformers renders chat templates in (its extensions change the syntax).
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    try:
+        env.parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        return f"not a valid Jinja template (line {e.lineno} of the template): {e.message}"
+    return None
+
+
+@lru_cache(maxsize=None)
+def vllm_parser_names(kind: Literal["tool", "reasoning"]) -> tuple[str, ...] | None:
+    """The parser names vLLM registers (its ToolParserManager / ReasoningParserManager); None where
+    vLLM is not installed (a control plane without it): the sidecar, which has vLLM, checks again."""
+    try:
+        if kind == "tool":
+            from vllm.tool_parsers import ToolParserManager as manager
+        else:
+            from vllm.reasoning import ReasoningParserManager as manager
+    except ImportError:
+        return None
+    return tuple(manager.list_registered())
 
 
 def check_ladder(models: list) -> list:

@@ -11,8 +11,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .errors import BadRequest, EngineFailed, UnknownModel
 from .monitors import EngineStats
 from .requests import Completion, GenerationRequest, TokenDelta
@@ -65,6 +66,11 @@ class ModelEngine:
         """vLLM's engine-core process(es) of this model: what the stall fault stops."""
         self.prometheus: set = set()
         """vLLM's own metric collectors of this engine (`vllm:*`, labelled by model_name)."""
+        self.chat_template: str | None = None
+        """The policy's `chat_template` as text (None: the tokenizer's own), loaded at start."""
+        self.default_sampling: dict = {}
+        """Sampling defaults of the model's generation config (vLLM's get_diff_sampling_param);
+        a request's own values win, as in vLLM's server."""
 
     def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -73,6 +79,10 @@ class ModelEngine:
 
         m = self.config
         t0 = time.monotonic()
+        self.chat_template = load_chat_template(m)
+        if m.generation_config not in ("auto", "vllm") and not Path(m.generation_config).is_dir():
+            # vLLM would silently serve without the defaults; the policy asked for them.
+            raise ConfigError(f"model {m.name}: generation_config: {m.generation_config!r} is not a folder (or auto, vllm)")
         args = AsyncEngineArgs(
             model=m.path,
             served_model_name=[m.name],
@@ -81,10 +91,12 @@ class ModelEngine:
             kv_cache_memory_bytes=m.kv_cache_bytes,
             max_num_seqs=m.max_num_seqs,
             dtype=m.dtype,
-            generation_config=m.generation_config,
             enforce_eager=True,
             disable_log_stats=True,
             scheduling_policy="priority" if self.priority_scheduling else "fcfs",
+            generation_config=m.generation_config,
+            # Also where vLLM's structured outputs learn where the reasoning ends (as `vllm serve`).
+            reasoning_parser=m.reasoning_parser or "",
         )
         sink = self.stats
 
@@ -99,6 +111,7 @@ class ModelEngine:
         self.pids = sorted(_child_pids() - before)
         self.prometheus = vllm_collectors() - collectors
         self.tokenizer = self.engine.get_tokenizer()
+        self.default_sampling = dict(self.engine.model_config.get_diff_sampling_param())
         self.load_seconds = time.monotonic() - t0
         log.info("engine ready", extra={"model": m.name, "load_seconds": round(self.load_seconds, 2)})
 
@@ -113,7 +126,8 @@ class ModelEngine:
         tok = self.tokenizer
         if req.messages is not None:
             try:
-                text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+                text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
+                                               chat_template=self.chat_template, **self.config.default_chat_template_kwargs)
             except Exception as e:  # a template error is the request's fault (bad roles, …)
                 raise BadRequest(f"cannot render messages with the chat template: {e}", param="messages") from e
             return list(tok.encode(text, add_special_tokens=False))
@@ -124,6 +138,9 @@ class ModelEngine:
     def sampling_kwargs(self, req: GenerationRequest, prompt_len: int, default_max_tokens: int) -> dict:
         """vLLM's SamplingParams for `req` as keywords; a prompt too long for the model is the client's error."""
         max_model_len = self.config.max_model_len
+        defaults = dict(self.default_sampling)
+        # The generation config's max_new_tokens stands in for the server default, as in vLLM.
+        default_max_tokens = min(default_max_tokens, defaults.pop("max_tokens", default_max_tokens))
         max_tokens = req.max_tokens or min(default_max_tokens, max_model_len - prompt_len)
         if max_tokens <= 0 or prompt_len + max_tokens > max_model_len:
             raise BadRequest(
@@ -132,7 +149,7 @@ class ModelEngine:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        kwargs: dict = {"max_tokens": max_tokens, "n": req.n, "ignore_eos": req.ignore_eos}
+        kwargs: dict = defaults | {"max_tokens": max_tokens, "n": req.n, "ignore_eos": req.ignore_eos}
         if req.temperature is not None:
             kwargs["temperature"] = req.temperature
         if req.top_p is not None:
@@ -197,6 +214,22 @@ class ModelEngine:
             log.info("aborted request", extra={"request_id": request_id})
         except Exception:  # the engine may be shutting down; nothing is left to free
             log.debug("abort failed", exc_info=True)
+
+
+def load_chat_template(m: ModelConfig) -> str | None:
+    """The model's `chat_template` as Jinja text, read as vLLM's server reads `--chat-template`
+    (a path, a bundled template's name or the text itself); a missing file fails the start."""
+    if m.chat_template is None:
+        return None
+    from vllm.exceptions import VLLMValidationError
+    from vllm.renderers.chat_utils import load_chat_template as vllm_load
+    from vllm.renderers.chat_utils import validate_chat_template
+
+    try:
+        validate_chat_template(m.chat_template)
+        return vllm_load(m.chat_template)
+    except (OSError, ValueError, VLLMValidationError) as e:
+        raise ConfigError(f"model {m.name}: chat_template: {e}") from e
 
 
 def _gpu_present() -> bool:

@@ -54,7 +54,8 @@ def build_model_serving(engine: "ModelEngine") -> ModelServing:
     # Aliases are resolved by admission before vLLM sees the request: vLLM knows the one name,
     # so every answer (the fallback's too) carries the name of the model that served it.
     models = OpenAIServingModels(engine_client=client, base_model_paths=[BaseModelPath(name=m.name, model_path=m.path)])
-    template = load_chat_template(m.chat_template)
+    # The policy's template as the engine loaded it (file, bundled name or text), as gRPC renders it.
+    template = engine.chat_template if engine.chat_template is not None else load_chat_template(m.chat_template)
     flags: dict[str, Any] = dict(
         chat_template=template,
         chat_template_content_format="auto",

@@ -318,6 +318,8 @@ def test_bundled_policy_and_its_generated_values_are_the_repositorys():
     ("filter.sha256=deadbeef", "at '/filter/sha256'"),
     ("policy.pools.Big_Pool.replicas=1", "at '/policy/pools': additional properties 'Big_Pool' not allowed"),
     ("trafficPolicy.outlierDetection.consecutive5xx=3", "'consecutive5xx' not allowed"),
+    ("policy.pools.h100.models[0].tool_parser=hermes", "at '/policy/pools/h100/models/0': additional properties 'tool_parser' not allowed"),
+    ("policy.pools.h100.models[0].enable_auto_tool_choice=yes", "at '/policy/pools/h100/models/0/enable_auto_tool_choice'"),
 ])
 def test_values_typos_are_rejected_by_the_schema(helm, setting, message):
     assert message in helm.template_error(SCENARIOS["production"], [setting])
@@ -429,6 +431,31 @@ def test_policy_render_helm_values_gives_a_values_file_for_any_policy(helm, tmp_
     rendered = helm.template([PIN, values])
     assert parse_policy(rendered.one("ConfigMap")["data"]["policy.yaml"]) == load_policy(production)
     assert {d["metadata"]["name"] for d in rendered.of("Deployment")} == {"infermesh-h100", "infermesh-l4"}
+
+
+MODEL_SERVING = {"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}", "tool_call_parser": "llama3_json",
+                 "enable_auto_tool_choice": True, "reasoning_parser": "deepseek_r1",
+                 "default_chat_template_kwargs": {"enable_thinking": False}, "generation_config": "vllm"}
+
+
+def test_per_model_serving_settings_reach_each_sidecar_through_the_chart(helm, tmp_path, capsys):
+    """A model's chat template, parsers, template kwargs and generation config: in the policy, the
+    chart's values (its schema takes them), the ConfigMap, and the sidecar config the pod builds."""
+    from infermesh.cli import main
+
+    data = yaml.safe_load(PRODUCTION_POLICY.read_text())
+    data["pools"]["h100"]["models"][0] |= MODEL_SERVING
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert main(["policy", "render", str(policy_file), "helm-values"]) == 0
+    values = tmp_path / "values.json"
+    values.write_text(capsys.readouterr().out)
+    rendered = helm.template([values, PRODUCTION_VALUES])
+    in_pod = tmp_path / "in-pod.yaml"
+    in_pod.write_text(rendered.one("ConfigMap")["data"]["policy.yaml"])
+    cfg = config_from_args(build_parser().parse_args(["--policy", str(in_pod), "--pool", "h100"]))
+    assert {k: getattr(cfg.models[0], k) for k in MODEL_SERVING} == MODEL_SERVING
+    assert cfg.models[1].tool_call_parser is None and cfg.models[1].generation_config == "auto"
 
 
 def test_plain_helm_template_renders_as_with_an_official_helm(helm):

