@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import httpx
 import openai
@@ -113,11 +114,22 @@ def vllm_serve(local_mesh):
     wait_until(ready, 300, every=0.5, what="vllm serve")
     yield url
     local_mesh.kill("vllm-serve-reference")
+    # Leave the mesh as found: the first structured-output requests compile grammars (slow
+    # TTFTs), which can open the interactive pool's latency breaker; later tests expect it closed.
+    wait_until(lambda: all(local_mesh.admin_state(p.name)["level"] == 0 for p in local_mesh.plan.pools), 120, every=1,
+               what="every pool back to level 0")
 
 
-def post(base: str, path: str, body: dict) -> tuple[int, dict | list]:
+def post(base: str, path: str, body: dict, shed_wait_s: float = 0) -> tuple[int, dict | list]:
+    """One request; with `shed_wait_s`, a shed answer (429/503 with Retry-After: infermesh's
+    protection, e.g. the batch pool's CPU breaker on this busy 2-core machine) is retried after
+    its Retry-After for up to that long, so the served answers are what get compared."""
+    deadline = time.monotonic() + shed_wait_s
     with httpx.Client(timeout=120) as c:
         r = c.post(base + path, json=body)
+        while r.status_code in (429, 503) and "retry-after" in r.headers and time.monotonic() < deadline:
+            time.sleep(float(r.headers["retry-after"]))
+            r = c.post(base + path, json=body)
         if body.get("stream") and r.headers.get("content-type", "").startswith("text/event-stream"):
             return r.status_code, [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         return r.status_code, r.json()
@@ -174,7 +186,7 @@ def essence(status: int, body) -> dict:
 def test_the_mesh_answers_as_vllm_serve_does(local_mesh, vllm_serve, case):
     path, body = CASES[case]
     want = essence(*post(vllm_serve, path, body))
-    got_status, got_body = post(local_mesh.base_url, path, body)
+    got_status, got_body = post(local_mesh.base_url, path, body, shed_wait_s=120)
     got = essence(got_status, got_body)
     assert got == want, f"{case}: the mesh differs from vllm serve"
     if got_status == 200 and isinstance(got_body, dict):
@@ -183,10 +195,12 @@ def test_the_mesh_answers_as_vllm_serve_does(local_mesh, vllm_serve, case):
 
 def test_openai_sdk_tool_calls_json_schema_and_logprobs_through_envoy(local_mesh):
     client = openai.OpenAI(base_url=local_mesh.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
-    r = client.chat.completions.create(model=MODEL, messages=HI, temperature=0, max_tokens=32, tools=[WEATHER],
+    city = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}}, "required": ["city"], "additionalProperties": False}}}
+    r = client.chat.completions.create(model=MODEL, messages=HI, temperature=0, max_tokens=64, tools=[city],
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = r.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Paris")
     r = client.chat.completions.create(model=MODEL, messages=HI, temperature=0, max_tokens=48,
                                        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}})
     content = r.choices[0].message.content

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from http import HTTPStatus
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
@@ -31,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .errors import BadRequest, PayloadTooLarge, SidecarError
+from .errors import BadRequest, PayloadTooLarge, SidecarError, UnknownModel
 from .lifecycle import Front, RequestLifecycle
 from .metrics import process_metrics
 from .pool import Pool
@@ -89,6 +90,15 @@ class _VllmErrors:
         from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
 
         return await validation_exception_handler(cls._state, RequestValidationError(errors))
+
+    @staticmethod
+    def not_found(e: UnknownModel) -> JSONResponse:
+        """A model not on the ladder, answered as vLLM's _check_model does (its message, NotFoundError)."""
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        err = create_error_response(f"The model `{e.model}` does not exist. Valid aliases: {', '.join(e.known)}.", err_type="NotFoundError",
+                                    status_code=HTTPStatus.NOT_FOUND, param="model")
+        return JSONResponse(err.model_dump(), status_code=HTTPStatus.NOT_FOUND)
 
     @staticmethod
     def of(exc: BaseException) -> JSONResponse:
@@ -235,8 +245,8 @@ def build_app(pool: Pool) -> FastAPI:
             return req
         try:
             engine = pool.ladder.resolve(req.model)
-        except SidecarError as e:
-            return _error_response(e)
+        except UnknownModel as e:
+            return _VllmErrors.not_found(e)
         if engine.engine is None:
             return _VllmErrors.of(RuntimeError("the model is still loading"))
         req.model = engine.config.name
@@ -270,6 +280,8 @@ def build_app(pool: Pool) -> FastAPI:
         life = pool.lifecycle(ticket, Front.HTTP, api.name)
         try:
             adm = life.admit()
+        except UnknownModel as e:
+            return _VllmErrors.not_found(e)
         except SidecarError as e:
             return _error_response(e)
         return await _serve(request, api, req, life, adm)

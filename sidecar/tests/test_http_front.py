@@ -134,7 +134,7 @@ def test_degraded_request_is_served_by_the_fallback_under_its_name(client):
         ("/v1/chat/completions", json.dumps(CHAT | {"temperature": "hot"}).encode(), 400, "body.temperature"),
         ("/v1/chat/completions", json.dumps(CHAT | {"stream": True, "stream_options": 5}).encode(), 400, "body.stream_options"),
         ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}).encode(), 400, None),
-        ("/v1/chat/completions", json.dumps(CHAT | {"model": "gpt-9"}).encode(), 404, "model"),
+        ("/v1/chat/completions", json.dumps(CHAT | {"model": "gpt-9"}).encode(), 404, "model"),  # vLLM's NotFoundError
         ("/v1/chat/completions", json.dumps(CHAT | {"n": 99}).encode(), 400, "n"),
         ("/v1/chat/completions", json.dumps(CHAT | {"max_tokens": 5000}).encode(), 400, None),
         ("/v1/completions", json.dumps({"prompt": {"a": 1}}).encode(), 400, None),
