@@ -32,11 +32,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .errors import BadRequest, PayloadTooLarge, SidecarError, UnknownModel
+from .errors import BadRequest, DeadlineExceeded, PayloadTooLarge, SidecarError, UnknownModel
 from .lifecycle import Front, RequestLifecycle
 from .metrics import process_metrics
 from .pool import Pool
-from .requests import GenerationRequest
+from .requests import TTFT_GIVE_UP_HEADER, GenerationRequest, ttft_give_up_s
 from .response_headers import identity_headers
 from .vllm_engine_client import ADMITTED
 from .vllm_serving import PoolServing
@@ -277,6 +277,7 @@ def build_app(pool: Pool) -> FastAPI:
             pool.refuse(Front.HTTP, api.name, request_class, e)
             return _error_response(e)
         ticket = GenerationRequest(model=getattr(req, "model", None), n=n, request_class=request_class)
+        ticket.ttft_give_up_s = ttft_give_up_s(request.headers.get(TTFT_GIVE_UP_HEADER))
         life = pool.lifecycle(ticket, Front.HTTP, api.name)
         try:
             adm = life.admit()
@@ -288,7 +289,9 @@ def build_app(pool: Pool) -> FastAPI:
 
     async def _serve(request: Request, api: Api, req: Any, life: RequestLifecycle, adm) -> Response:
         engine = adm.engine
-        headers = identity_headers(pool, engine.config.name, adm.degraded, adm.degraded_reason)
+
+        def headers() -> dict:  # at the moment the response goes out (the load report is the pool's now)
+            return identity_headers(pool, engine.config.name, adm.degraded, adm.degraded_reason)
         # vLLM's layer sees the admitted model's one name and the admission's id; its priority
         # is the class's (the engine client sets it), never the body's.
         req.model = engine.config.name
@@ -304,7 +307,7 @@ def build_app(pool: Pool) -> FastAPI:
             except Exception as e:  # vLLM's exception handlers' answer (4xx for the client's faults)
                 resp = _VllmErrors.of(e)
                 await life.close(status=str(resp.status_code))
-                resp.headers.update(headers)
+                resp.headers.update(headers())
                 return resp
             if not present:
                 return Response(status_code=499)
@@ -315,29 +318,36 @@ def build_app(pool: Pool) -> FastAPI:
                 content = out.model_dump()
                 if api.name == "messages":  # vLLM's Anthropic router translates its errors
                     content = {"type": "error", "error": {"type": out.error.type, "message": out.error.message}}
-                return JSONResponse(content, status_code=out.error.code, headers=headers)
+                return JSONResponse(content, status_code=out.error.code, headers=headers())
             if not hasattr(out, "__anext__"):
                 content = api.dump(out)
                 await life.close()
                 if isinstance(content.get("usage"), dict):
                     content["usage"]["infermesh"] = _infermesh_usage(pool, life)
-                return JSONResponse(content, headers=headers)
+                return JSONResponse(content, headers=headers())
             streaming = True
             return await _start_stream(request, api, out, life, headers)
         finally:
             if not streaming:
                 await life.close()  # no-op once closed; a vanished client otherwise (499)
 
-    async def _start_stream(request: Request, api: Api, gen: AsyncIterator[str], life: RequestLifecycle, headers: dict) -> Response:
+    async def _start_stream(request: Request, api: Api, gen: AsyncIterator[str], life: RequestLifecycle, headers: Callable[[], dict]) -> Response:
         # Headers go out with the first content (vLLM's role chunk comes with the first token):
         # an error before it is a real status.
+        limit = life.req.ttft_give_up_s
+        first_chunk = _first(gen) if limit is None else asyncio.wait_for(_first(gen), max(0.0, life.first_token_deadline() - pool.clock()))
         try:
-            present, first = await _until_disconnect(request, _first(gen))
+            present, first = await _until_disconnect(request, first_chunk)
+        except asyncio.TimeoutError:  # the mesh's TTFT limit (x-infermesh-ttft-give-up-ms) passed: 504, vLLM aborts
+            await gen.aclose()
+            e = DeadlineExceeded(f"no first token within {limit * 1000:.0f} ms", code="ttft_deadline_exceeded", retry_after_s=1)
+            await life.close(e)
+            return _error_response(e, headers())
         except Exception as e:
             await gen.aclose()
             resp = _VllmErrors.of(e)
             await life.close(status=str(resp.status_code))
-            resp.headers.update(headers)
+            resp.headers.update(headers())
             return resp
         if not present:
             await gen.aclose()
@@ -348,10 +358,10 @@ def build_app(pool: Pool) -> FastAPI:
             error = json.loads(first[6:])["error"] if first else {"message": "empty stream", "type": "InternalServerError", "code": 500}
             status = error.get("code") if isinstance(error.get("code"), int) else 500
             await life.close(status=str(status))
-            return JSONResponse({"error": error}, status_code=status, headers=headers)
+            return JSONResponse({"error": error}, status_code=status, headers=headers())
         usage = _infermesh_usage(pool, life)
         frames = _frames(first, gen, usage) if api.openai_usage else _chain(first, gen)
-        return _LifecycleStream(life, frames, media_type="text/event-stream", headers=headers | STREAM_HEADERS)
+        return _LifecycleStream(life, frames, media_type="text/event-stream", headers=headers() | STREAM_HEADERS)
 
     def route(handler: Callable[[Request, str], Awaitable[Response]], name: str) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:

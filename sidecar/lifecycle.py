@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .admission import Admission
-from .errors import EngineFailed, SidecarError
+from .errors import DeadlineExceeded, EngineFailed, SidecarError
 from .requests import Completion, GenerationRequest, TokenDelta
 
 if TYPE_CHECKING:
@@ -90,6 +90,7 @@ class RequestLifecycle:
                 refuse(self.pool, self.front, self.api, self.label_class, e)
                 raise
             self._admitted_at = self.pool.clock()
+            self.pool.load.on_admitted()
         return self.admission
 
     async def __aenter__(self) -> "RequestLifecycle":
@@ -99,6 +100,10 @@ class RequestLifecycle:
     async def __aexit__(self, exc_type, exc, tb) -> bool:
         await self.close(exc)
         return False
+
+    def first_token_deadline(self) -> float:
+        """When the request's TTFT limit (`req.ttft_give_up_s`, set) ends, on the pool's clock."""
+        return self._admitted_at + (self.req.ttft_give_up_s or 0.0)
 
     @property
     def request_id(self) -> str:
@@ -192,7 +197,7 @@ class RequestLifecycle:
         self._submitted = True
         gen = engine.generate(self.req, ids, params, priority, self._pause_s)
         try:
-            async for ev in gen:
+            async for ev in self._first_in_time(gen):
                 if isinstance(ev, TokenDelta):
                     self._tokens_arrived(len(ev.token_ids))
                     yield ev
@@ -209,6 +214,25 @@ class RequestLifecycle:
             await gen.aclose()
         if self.completion is None:  # a bug, not the client's fault
             raise SidecarError("generation ended without a result")
+
+    async def _first_in_time(self, gen: AsyncIterator) -> AsyncIterator:
+        """`gen`, its first event within the request's TTFT limit (if any) or DeadlineExceeded."""
+        limit = self.req.ttft_give_up_s
+        if limit is None:
+            async for ev in gen:
+                yield ev
+            return
+        remaining = self._admitted_at + limit - self.pool.clock()
+        try:
+            first = await asyncio.wait_for(anext(gen), max(0.0, remaining))
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"no first token within {limit * 1000:.0f} ms", code="ttft_deadline_exceeded",
+                                   retry_after_s=1) from None
+        yield first
+        async for ev in gen:
+            yield ev
 
     # -- exit --------------------------------------------------------------------------------
 
@@ -242,6 +266,10 @@ class RequestLifecycle:
         m = self.pool.metrics
         if status is None and isinstance(error, SidecarError):
             status = self.front.status(error)
+            if error.http_status >= 500:
+                self.pool.load.on_failed()
+        elif status is not None and status.isdigit() and int(status) >= 500:
+            self.pool.load.on_failed()  # vLLM's layer answered with a server error
         elif status is None and error is None and (self.completion is not None or self._outputs_done):
             status = self.front.ok
         elif status is None:  # cancelled, or the consumer stopped reading: the client went away

@@ -66,6 +66,14 @@ def _no_buffer_limit(cfg: dict) -> None:
         vh.pop("per_request_buffer_limit_bytes", None)
 
 
+def _buffer_filter(cfg: dict) -> None:
+    """Envoy's buffer filter before the Wasm filter: the filter sees the whole body in one call
+    (one VM entry fewer for a body in two reads) — but it answers 413 past its limit."""
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"].insert(0, {"name": "envoy.filters.http.buffer", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer", "max_request_bytes": 3 << 20}})
+
+
 def _skip(part: str):
     """The profiling module (feature bench-profile) told by its VM configuration to leave `part` out."""
     def skip(cfg: dict) -> None:
@@ -82,6 +90,7 @@ PROFILE = {
     "no-filter-no-retry": ("no-filter", _no_retry),
     "body-no-retry": ("body", _no_retry),
     "body-no-buffer-limit": ("body", _no_buffer_limit),
+    "body-buffer-filter": ("body", _buffer_filter),
     "body-profile-module": ("body", SKIPS["none"]),
     **{f"body-{part}": ("body", SKIPS[part]) for part in ("no-pause", "no-copy", "no-scan", "no-write")},
 }

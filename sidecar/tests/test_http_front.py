@@ -265,3 +265,21 @@ def test_responses_api(client, stream):
 def test_top_logprobs_without_logprobs_is_vllms_400(client):
     r = client.post("/v1/chat/completions", json=CHAT | {"top_logprobs": 3})
     assert r.status_code == 400, r.text
+
+
+def test_no_first_token_within_the_meshs_ttft_limit_is_a_504(client):
+    client.llm.reply_ids = []  # never a token: the fake's stream ends without output; hold it instead
+    client.llm.gate = asyncio.Event()
+
+    async def silent(prompt, params, request_id, priority=0, **kw):
+        client.llm.unfinished.add(request_id)
+        try:
+            await asyncio.sleep(30)
+            yield None
+        finally:
+            client.llm.unfinished.discard(request_id)
+
+    client.llm.generate = silent
+    r = client.post("/v1/chat/completions", json=CHAT | {"stream": True}, headers={"x-infermesh-ttft-give-up-ms": "200"})
+    assert r.status_code == 504 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "ttft_deadline_exceeded"
+    assert client.pool.inflight == 0 and not client.llm.unfinished
