@@ -1,4 +1,4 @@
-"""Start and stop the processes of a local mesh: one sidecar per pool, then Envoy.
+"""Start and stop the processes of a local mesh: the sidecars (`replicas` per pool), then Envoy.
 
 Children get PR_SET_PDEATHSIG so they die with the launcher even if it is SIGKILLed; a clean
 stop sends SIGTERM (Envoy first so no new traffic arrives, then the sidecars, which drain) and
@@ -96,12 +96,13 @@ def free_ports(n: int) -> list[int]:
 def plan_on_free_ports(policy_path: Path) -> LocalMeshPlan:
     """A local mesh plan from a policy file with every port picked free on 127.0.0.1 (so it runs
     beside another mesh, e.g. `infermesh up` on the default ports)."""
-    from infermesh.meshconfig.local_mesh import PoolPorts
+    from infermesh.meshconfig.local_mesh import PoolPorts, replica_list
     from infermesh.meshconfig.policy import load_policy
 
     policy = load_policy(policy_path)
-    ports = free_ports(3 + 4 * len(policy.pools))
-    pools = [PoolPorts(name, *ports[3 + 4 * i: 7 + 4 * i]) for i, name in enumerate(policy.pools)]
+    sidecars = replica_list(policy)
+    ports = free_ports(3 + 4 * len(sidecars))
+    pools = [PoolPorts(name, *ports[3 + 4 * i: 7 + 4 * i], replica=r) for i, (name, r) in enumerate(sidecars)]
     return LocalMeshPlan(policy_path=policy_path, policy=policy, listen_port=ports[0], admin_port=ports[1], xds_port=ports[2], pools=pools)
 
 
@@ -172,18 +173,21 @@ class LocalMesh:
             raise LaunchError(f"{name} is still running")
         return self._spawn(name, c.argv, c.env)
 
-    def sidecar_url(self, pool: str) -> str:
-        p = next(p for p in self.plan.pools if p.name == pool)
-        return f"http://{self.plan.host}:{p.http_port}"
+    def sidecar_url(self, pool: str, replica: int = 0) -> str:
+        return f"http://{self.plan.host}:{self.plan.replica(pool, replica).http_port}"
 
-    def admin_url(self, pool: str) -> str:
-        p = next(p for p in self.plan.pools if p.name == pool)
-        return f"http://127.0.0.1:{p.admin_port}"
+    def admin_url(self, pool: str, replica: int = 0) -> str:
+        return f"http://127.0.0.1:{self.plan.replica(pool, replica).admin_port}"
 
-    def admin_state(self, pool: str) -> dict:
+    def admin_state(self, pool: str, replica: int = 0) -> dict:
         """A pool sidecar's GET /admin/state."""
-        with urllib.request.urlopen(self.admin_url(pool) + "/admin/state", timeout=5) as r:
+        with urllib.request.urlopen(self.admin_url(pool, replica) + "/admin/state", timeout=5) as r:
             return json.loads(r.read())
+
+    @staticmethod
+    def sidecar_name(pool: str, replica: int = 0) -> str:
+        """The child's name: `sidecar-POOL` for the first replica, `sidecar-POOL.N` after it."""
+        return f"sidecar-{pool}" if replica == 0 else f"sidecar-{pool}.{replica}"
 
     @property
     def base_url(self) -> str:
@@ -198,13 +202,15 @@ class LocalMesh:
                     raise LaunchError(f"model {model} not found in {self.models_dir} (run `infermesh models build`)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for p in self.plan.pools:
-            cfg_path = self.run_dir / f"sidecar-{p.name}.json"
+            name = self.sidecar_name(p.name, p.replica)
+            cfg_path = self.run_dir / f"{name}.json"
             cfg_path.write_text(json.dumps(self.plan.sidecar_config(p, self.models_dir), indent=2))
-            cores = self.cpu_cores.get(p.name)
-            self._spawn(f"sidecar-{p.name}", [sys.executable, "-m", "infermesh.sidecar.server", "--config", str(cfg_path)],
+            # A replica's own entry (`pool.N`) first, else the pool's.
+            cores = self.cpu_cores.get(p.key) or self.cpu_cores.get(p.name)
+            self._spawn(name, [sys.executable, "-m", "infermesh.sidecar.server", "--config", str(cfg_path)],
                         {"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else None)
             ladder = " > ".join(self.plan.ladder(p.name))
-            progress(f"sidecar {p.name}: starting ({ladder}; http :{p.http_port}, grpc :{p.grpc_port}, admin 127.0.0.1:{p.admin_port})")
+            progress(f"sidecar {p.key}: starting ({ladder}; http :{p.http_port}, grpc :{p.grpc_port}, admin 127.0.0.1:{p.admin_port})")
         # The control plane serves Envoy its listener and clusters from the policy file (ADS)
         # and keeps watching the file; Envoy starts from a bootstrap that only names it.
         xds = [sys.executable, "-m", "infermesh.meshconfig.xds_server", "--policy", str(self.plan.policy_path),
@@ -284,8 +290,8 @@ class LocalMesh:
                 return False
         if name == "envoy":
             return _http_ok(f"http://127.0.0.1:{self.plan.admin_port}/ready")
-        pool = name.removeprefix("sidecar-")
-        return _http_ok(self.sidecar_url(pool) + "/health")
+        p = next(p for p in self.plan.pools if self.sidecar_name(p.name, p.replica) == name)
+        return _http_ok(f"http://{self.plan.host}:{p.http_port}/health")
 
     # -- stop -------------------------------------------------------------------------------
 

@@ -78,3 +78,12 @@ class EngineFailed(SidecarError):
 
     http_status = 500
     grpc_code = grpc.StatusCode.INTERNAL
+
+
+class DeadlineExceeded(SidecarError):
+    """No first token within the mesh's time-to-first-token limit; vLLM's request is aborted."""
+
+    http_status = 504
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    openai_type = "server_error"
+    retryable = True

@@ -15,8 +15,8 @@ from .lifecycle import Front
 from .pool import Pool
 from .proto.infermesh.v1 import inference_pb2 as pb
 from .proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
-from .requests import GenerationRequest, TokenDelta
-from .response_headers import identity_headers
+from .requests import TTFT_GIVE_UP_HEADER, GenerationRequest, TokenDelta, ttft_give_up_s
+from .response_headers import identity_headers, load_report_header
 
 log = logging.getLogger("infermesh.sidecar.grpc")
 
@@ -128,6 +128,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         served_by = self.pool.config.served_by
         try:
             req = generation_request(request, request_class, self.pool.config.server.max_n)
+            req.ttft_give_up_s = ttft_give_up_s(md.get(TTFT_GIVE_UP_HEADER))
         except SidecarError as e:
             self.pool.refuse(Front.GRPC, "generate", request_class, e)
             await _abort(context, e)
@@ -135,11 +136,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             async with self.pool.lifecycle(req, Front.GRPC, "generate") as life:
                 rid = life.request_id
+                first = True
                 async for ev in life.events():
+                    if first:
+                        first = False
+                        await context.send_initial_metadata(tuple(load_report_header(self.pool).items()))
                     if isinstance(ev, TokenDelta):
                         yield pb.GenerateResponse(request_id=rid, chunk=token_chunk(ev))
                         continue
-                    context.set_trailing_metadata(tuple(identity_headers(self.pool, ev.model, ev.degraded, ev.degraded_reason).items()))
+                    context.set_trailing_metadata(tuple(identity_headers(self.pool, ev.model, ev.degraded, ev.degraded_reason,
+                                                                         load_report=False).items()))
                     usage = pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                                      total_tokens=ev.prompt_tokens + ev.completion_tokens)
                     yield pb.GenerateResponse(

@@ -1,12 +1,14 @@
 """OpenAI-compatible HTTP front: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
 Streams are Server-Sent Events written as tokens arrive, with `X-Accel-Buffering: no` so no
-proxy holds them back. Every response says who served it: `x-infermesh-model`,
+proxy holds them back. A stream's headers go out with its first token, so an error before it is a
+real HTTP status and a proxy's time to headers is the time to first token. Every response says who served it: `x-infermesh-model`,
 `x-infermesh-degraded`, `x-infermesh-served-by`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -20,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .errors import BadRequest, PayloadTooLarge, SidecarError
 from .lifecycle import Front, RequestLifecycle
 from .pool import Pool
-from .requests import Completion, GenerationRequest, TokenDelta
+from .requests import TTFT_GIVE_UP_HEADER, Completion, GenerationRequest, TokenDelta, ttft_give_up_s
 from .response_headers import identity_headers
 
 log = logging.getLogger("infermesh.sidecar.http")
@@ -158,6 +160,7 @@ def build_app(pool: Pool) -> FastAPI:
             pool.refuse(Front.HTTP, api, request_class, e)
             return _error_response(e)
         req.request_class = request_class
+        req.ttft_give_up_s = ttft_give_up_s(request.headers.get(TTFT_GIVE_UP_HEADER))
         stream = bool(body.get("stream", False))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if stream else False
         life = pool.lifecycle(req, Front.HTTP, api)
@@ -169,7 +172,21 @@ def build_app(pool: Pool) -> FastAPI:
                 return _error_response(e)
             rid = ("chatcmpl-" if api == "chat" else "cmpl-") + adm.request_id
             model = adm.engine.config.name
-            gen = _sse(life, api, rid, created, model, include_usage, cfg.served_by, req.n)
+            # Headers go out with the first token: an error before it gets its real status, and
+            # Envoy's per-try timeout (which ends when headers arrive) measures time to first token.
+            events = life.events()
+            try:
+                first = await _first_event(request, events)
+            except SidecarError as e:
+                await life.close(e)
+                return _error_response(e)
+            except ClientGone:
+                await life.close()  # counted as gone (499); vLLM aborts the request
+                return Response(status_code=499)
+            except BaseException:
+                await life.close()  # the client left (or we were cancelled): abort in vLLM
+                raise
+            gen = _sse(life, api, rid, created, model, include_usage, cfg.served_by, req.n, _then(first, events))
             headers = identity_headers(pool, model, adm.degraded, adm.degraded_reason)
             return _LifecycleStream(life, gen, media_type="text/event-stream",
                                     headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -262,8 +279,40 @@ def delta_framer(api: str, rid: str, created: int, model: str, include_usage: bo
     return frame
 
 
+class ClientGone(Exception):
+    """The client closed the connection before the first token (e.g. Envoy reset a losing hedge)."""
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _first_event(request: Request, events: AsyncIterator):
+    """The stream's first event, or ClientGone if the client leaves first (the body is read, so the
+    next ASGI message is the disconnect)."""
+    nxt = asyncio.ensure_future(anext(events))
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+    if nxt.cancelled():
+        raise ClientGone()
+    return nxt.result()
+
+
+async def _then(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for ev in rest:
+        yield ev
+
+
 async def _sse(life: RequestLifecycle, api: str, rid: str, created: int, model: str, include_usage: bool, served_by: str,
-               n: int) -> AsyncIterator[bytes]:
+               n: int, events: AsyncIterator) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if api == "chat" else "text_completion"
 
     def chunk(choice: dict, usage: dict | None = None) -> bytes:
@@ -278,7 +327,7 @@ async def _sse(life: RequestLifecycle, api: str, rid: str, created: int, model: 
             if api == "chat":
                 for i in range(n):
                     yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
-            async for ev in life.events():
+            async for ev in events:
                 if isinstance(ev, TokenDelta):
                     yield delta(ev.index, ev.text)
                     continue

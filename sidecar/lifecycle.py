@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .admission import Admission
-from .errors import EngineFailed, SidecarError
+from .errors import DeadlineExceeded, EngineFailed, SidecarError
 from .requests import Completion, GenerationRequest, TokenDelta
 
 if TYPE_CHECKING:
@@ -80,6 +80,7 @@ class RequestLifecycle:
                 refuse(self.pool, self.front, self.api, self.label_class, e)
                 raise
             self._admitted_at = self.pool.clock()
+            self.pool.load.on_admitted()
         return self.admission
 
     async def __aenter__(self) -> "RequestLifecycle":
@@ -124,7 +125,7 @@ class RequestLifecycle:
         self._submitted = True
         gen = engine.generate(self.req, ids, params, priority, self._pause_s)
         try:
-            async for ev in gen:
+            async for ev in self._first_in_time(gen):
                 if isinstance(ev, TokenDelta):
                     now = pool.clock()
                     if last is None:
@@ -148,6 +149,25 @@ class RequestLifecycle:
             await gen.aclose()
         if self.completion is None:  # a bug, not the client's fault
             raise SidecarError("generation ended without a result")
+
+    async def _first_in_time(self, gen: AsyncIterator) -> AsyncIterator:
+        """`gen`, its first event within the request's TTFT limit (if any) or DeadlineExceeded."""
+        limit = self.req.ttft_give_up_s
+        if limit is None:
+            async for ev in gen:
+                yield ev
+            return
+        remaining = self._admitted_at + limit - self.pool.clock()
+        try:
+            first = await asyncio.wait_for(anext(gen), max(0.0, remaining))
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"no first token within {limit * 1000:.0f} ms", code="ttft_deadline_exceeded",
+                                   retry_after_s=1) from None
+        yield first
+        async for ev in gen:
+            yield ev
 
     # -- exit --------------------------------------------------------------------------------
 
@@ -173,6 +193,8 @@ class RequestLifecycle:
         m = self.pool.metrics
         if isinstance(error, SidecarError):
             status = self.front.status(error)
+            if error.http_status >= 500:
+                self.pool.load.on_failed()
         elif error is None and self.completion is not None:
             status = self.front.ok
         else:  # cancelled, or the consumer stopped reading: the client went away

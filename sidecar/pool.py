@@ -18,6 +18,7 @@ from .errors import SidecarError
 from .events import BreakerChanged, Draining, EventBus
 from .faults import Faults
 from .lifecycle import Front, RequestLifecycle, refuse
+from .load_report import LoadReporter
 from .metrics import SidecarMetrics
 from .monitors import CpuLoad, FromFunction, GpuMemory, KvCache, Readings, RequestWindow
 from .requests import GenerationRequest
@@ -42,6 +43,8 @@ class Pool:
         self.admission = AdmissionControl(config, self.ladder, self.breakers, self.policy)
         self.readings: Readings | None = None
         """Set at start, once the engines whose stats they read exist."""
+        self.load = LoadReporter(config.models[0].max_num_seqs, lambda: self.inflight, self._kv_cache_usage, clock=clock)
+        """The ORCA load report every generation response carries (response_headers.py)."""
 
     @property
     def primary(self) -> ModelEngine:
@@ -60,6 +63,9 @@ class Pool:
             "error_rate": FromFunction("error_rate", self.window.error_rate),
         }
         self.readings = Readings(sources, self.faults)
+
+    def _kv_cache_usage(self) -> float | None:
+        return self.readings.read("kv_cache") if self.readings is not None else None
 
     @property
     def ready(self) -> bool:

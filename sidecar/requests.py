@@ -34,6 +34,20 @@ class GenerationRequest:
     """Empty: admission assigns one."""
     request_class: str = ""
     """As the mesh sent it (`x-infermesh-class`); admission maps unknown ones to the default class."""
+    ttft_give_up_s: float | None = None
+    """No first token this long after admission: the request ends with DeadlineExceeded (the
+    mesh's `x-infermesh-ttft-give-up-ms`, set on the routes of a hedging class)."""
+
+
+TTFT_GIVE_UP_HEADER = "x-infermesh-ttft-give-up-ms"
+
+
+def ttft_give_up_s(value: str | None) -> float | None:
+    """The header's value in seconds; None when absent or not a positive integer (the mesh sets
+    it, so a bad value is ignored rather than refused)."""
+    if value is None or not value.isdigit() or int(value) == 0:
+        return None
+    return int(value) / 1000.0
 
 
 @dataclass

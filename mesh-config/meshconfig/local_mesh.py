@@ -1,4 +1,4 @@
-"""A mesh on one machine, from a policy: one sidecar per pool on 127.0.0.1, Envoy in front.
+"""A mesh on one machine, from a policy: `replicas` sidecars per pool on 127.0.0.1, Envoy in front.
 
 The policy (mesh-config/policies/local.yaml by default) is the single source: the filter's
 JSON, each sidecar's config and the Envoy bootstrap are generated from it; this module only
@@ -10,23 +10,38 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .envoy_resources import MeshListener, PoolEndpoint, Routing
+from .envoy_resources import MeshListener, PoolEndpoint, Replica, Routing
 from .policy import LOCAL_POLICY, Policy, load_policy
 
 @dataclass
 class PoolPorts:
-    """Where one pool's sidecar listens on this machine."""
+    """Where one sidecar (one replica of a pool) listens on this machine."""
 
     name: str
+    """The pool."""
     http_port: int
     grpc_port: int
     admin_port: int = 0
     admin_grpc_port: int = 0
+    replica: int = 0
+    """Which replica of the pool (its sidecar's `instance`, so `served_by` is `pool/replica`)."""
+
+    @property
+    def key(self) -> str:
+        """`pool` for the first replica (so a one-replica mesh keeps its names), `pool.N` after it."""
+        return self.name if self.replica == 0 else f"{self.name}.{self.replica}"
+
+
+def replica_list(policy: Policy) -> list[tuple[str, int]]:
+    """(pool, replica) of every sidecar, in the policy's pool order."""
+    return [(name, i) for name, p in policy.pools.items() for i in range(p.replicas)]
 
 
 def default_ports(policy: Policy, base: int = 8101) -> list[PoolPorts]:
-    """8101.. HTTP, 8201.. gRPC, 8301.. admin HTTP, 8401.. admin gRPC, in the policy's pool order."""
-    return [PoolPorts(name, base + i, base + 100 + i, base + 200 + i, base + 300 + i) for i, name in enumerate(policy.pools)]
+    """8101.. HTTP, 8201.. gRPC, 8301.. admin HTTP, 8401.. admin gRPC, one per sidecar in the
+    policy's pool order (replicas of a pool next to each other)."""
+    return [PoolPorts(name, base + i, base + 100 + i, base + 200 + i, base + 300 + i, replica)
+            for i, (name, replica) in enumerate(replica_list(policy))]
 
 
 @dataclass
@@ -46,9 +61,15 @@ class LocalMeshPlan:
             self.policy = load_policy(self.policy_path)
         if not self.pools:
             self.pools = default_ports(self.policy)
-        missing = set(self.policy.pools) - {p.name for p in self.pools}
+        missing = set(replica_list(self.policy)) - {(p.name, p.replica) for p in self.pools}
         if missing:
-            raise ValueError(f"no ports for pools {sorted(missing)}")
+            raise ValueError(f"no ports for (pool, replica) {sorted(missing)}")
+
+    def replicas(self, pool: str) -> list[PoolPorts]:
+        return [p for p in self.pools if p.name == pool]
+
+    def replica(self, pool: str, replica: int = 0) -> PoolPorts:
+        return next(p for p in self.pools if p.name == pool and p.replica == replica)
 
     def ladder(self, pool: str) -> list[str]:
         return [m.name for m in self.policy.pools[pool].models]
@@ -63,7 +84,7 @@ class LocalMeshPlan:
     def sidecar_config(self, pool: PoolPorts, models_dir: Path) -> dict:
         return self.policy.sidecar_config(
             pool.name, models_dir, host=self.host, http_port=pool.http_port, grpc_port=pool.grpc_port,
-            admin_port=pool.admin_port, admin_grpc_port=pool.admin_grpc_port,
+            admin_port=pool.admin_port, admin_grpc_port=pool.admin_grpc_port, instance=str(pool.replica),
         )
 
     def listener(self, wasm_path: Path) -> MeshListener:
@@ -73,7 +94,8 @@ class LocalMeshPlan:
             admin_port=self.admin_port,
             wasm_path=wasm_path,
             filter_config=self.filter_config(),
-            pools=[PoolEndpoint(p.name, self.host, p.http_port, p.grpc_port) for p in self.pools],
+            pools=[PoolEndpoint.of(name, [Replica(self.host, r.http_port, r.grpc_port) for r in self.replicas(name)])
+                   for name in self.policy.pools],
             default_pool=self.policy.default_pool,
             failover=self.policy.failover(),
             routing=Routing.from_policy(self.policy),

@@ -24,6 +24,7 @@ file, the line and the field.
 The typed model, as other modules use it (every object is an immutable pydantic model):
 
     policy.classes[name]            ClassSpec: .pool .objective .priority .sheddable .vllm_priority
+                                    .ttft_deadline_ms .hedge (.hedges: the effective choice)
     policy.rules[i]                 Rule: .name .class_ (YAML `class`) .match .wire()
     rule.match                      Match: .methods .path .headers .body .needs_body
     match.path / body.model / …     StringMatch: .exact .prefix .regex, .kind ("exact"|"prefix"|"regex"), .value
@@ -268,6 +269,18 @@ class ClassSpec(ClassSettings):
     """The pool that serves this class."""
     objective: Annotated[str, Field(pattern=NAME)] | None = None
     """Gateway API Inference Extension objective (x-gateway-inference-objective); default: the class name."""
+    ttft_deadline_ms: Annotated[int, Field(ge=10, le=600_000)] | None = None
+    """Time to first token one attempt gets (Envoy's per-try timeout: a sidecar sends its headers
+    with the first token). Past it Envoy hedges to another replica, then to the pool's fallback,
+    or (without `hedge`) answers 504. None: no deadline. docs/replicas.md."""
+    hedge: bool | None = None
+    """Past the deadline keep the first attempt running and race another (the first to send its
+    headers wins, Envoy resets the rest); false: the deadline is a hard limit (504 at once).
+    Default: true for classes that are not `sheddable` (interactive hedges, batch does not)."""
+
+    @property
+    def hedges(self) -> bool:
+        return self.ttft_deadline_ms is not None and (self.hedge if self.hedge is not None else not self.sheddable)
 
 
 class ModelSpec(ModelSettings):
@@ -300,6 +313,8 @@ class PoolSpec(PoolSettings):
     """The model ladder: primary first, lighter fallbacks after it (the first is a hot standby)."""
     gpu: GpuSpec = GpuSpec()
     replicas: Annotated[int, Field(ge=1, le=1000)] = 1
+    """Sidecars serving this pool: each its own endpoint of the pool's clusters (the local mesh
+    runs that many; the chart's Deployment scales to it)."""
     serving: ServingSettings = ServingSettings()
     """Each sidecar's admission limits and streaming."""
     when_degraded: DegradedRouting | None = None

@@ -2,7 +2,8 @@
 
 - `PolicyFileWatcher`: the policy file, by its stat signature. A valid edit is handed on; an
   invalid one is logged with its `file:line: field` reasons and the last good policy stays.
-- `PoolWatcher`: one pool sidecar's admin event stream. Its breaker actions give the pool's
+- `PoolWatcher`: one pool sidecar's (one replica's) admin event stream; `ReplicaLevels` turns
+  the replicas' levels into the pool's. Its breaker actions give the pool's
   level; a pool that was seen and is then lost (the stream breaks, or it reports loading or
   draining) is DOWN until its sidecar is back and its serving front answers. A pool never seen
   yet keeps the plain routes: at start-up every pool is still loading and there is nothing
@@ -71,6 +72,23 @@ def pool_level(event: dict) -> int:
     if "level" in event:
         return int(event["level"])
     return max((ACTION_ORDER[a] for a in event.get("pool_actions", [])), default=0)
+
+
+class ReplicaLevels:
+    """One pool level from the levels of its replicas' watchers: the least degraded replica's
+    (Envoy's balancing and outlier detection keep traffic off the others), counting only
+    replicas seen at least once. A pool with every seen replica DOWN is DOWN."""
+
+    def __init__(self, on_level: Callable[[str, int], None]):
+        self.on_level = on_level
+        self.levels: dict[str, dict[int, int]] = {}
+
+    def reporter(self, replica: int) -> Callable[[str, int], None]:
+        """The `on_level` callback of one replica's PoolWatcher."""
+        def report(pool: str, level: int) -> None:
+            self.levels.setdefault(pool, {})[replica] = level
+            self.on_level(pool, min(self.levels[pool].values()))
+        return report
 
 
 class PoolWatcher:

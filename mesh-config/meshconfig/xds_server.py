@@ -12,6 +12,10 @@ the control plane dies, Envoy keeps serving its last config and resyncs when it 
     python -m infermesh.meshconfig.xds_server --policy FILE --port 18000 \\
         --listen-port 8080 --pool interactive=127.0.0.1:8101:8201 --pool batch=127.0.0.1:8102:8202 \\
         [--pool-admin interactive=http://127.0.0.1:8301 ...]
+
+A pool named again in `--pool` (and `--pool-admin`) is its next replica: each replica is an
+endpoint of the pool's clusters, and the pool counts as degraded only when every replica it has
+been seen with is (the least degraded replica's level).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 from .ads_server import AdsServer
 from .envoy_resources import FILTER_STATS_TAGS
 from .policy import Policy
-from .watchers import PolicyFileWatcher, PoolWatcher
+from .watchers import PolicyFileWatcher, PoolWatcher, ReplicaLevels
 from .xds_snapshot import MeshTarget, build_snapshot
 
 log = logging.getLogger("infermesh.xds")
@@ -148,23 +152,28 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     setup_logging({"component": "xds"})
     logging.getLogger("infermesh.xds").setLevel(logging.INFO)
-    endpoints = {}
-    for spec in args.pool:
+    endpoints: dict[str, list[tuple[str, int, int]]] = {}
+    for spec in args.pool:  # a pool named again is its next replica
         name, _, hostports = spec.partition("=")
         host, http_port, grpc_port = (hostports.split(":") + ["0"])[:3]
-        endpoints[name] = (host, int(http_port), int(grpc_port))
+        endpoints.setdefault(name, []).append((host, int(http_port), int(grpc_port)))
     cp = ControlPlane(MeshTarget(args.listen_host, args.listen_port, Path(args.wasm), endpoints))
     policy_watch = PolicyFileWatcher(Path(args.policy), cp.set_policy)
     if not policy_watch.load() or cp.version is None:
         print("infermesh-xds: the policy is not usable at start; see the log", file=sys.stderr)
         return 2
     watchers: list = [policy_watch]
-    for spec in args.pool_admin:
+    levels = ReplicaLevels(cp.set_level)
+    seen: dict[str, int] = {}
+    for spec in args.pool_admin:  # in the order of that pool's --pool replicas
         pool, _, url = spec.partition("=")
         if pool not in endpoints:
             ap.error(f"--pool-admin {spec}: {pool!r} is not one of the --pool names {sorted(endpoints)}")
-        host, http_port, _ = endpoints[pool]
-        watchers.append(PoolWatcher(pool, url, f"http://{host}:{http_port}/health", cp.set_level))
+        i = seen[pool] = seen.get(pool, -1) + 1
+        if i >= len(endpoints[pool]):
+            ap.error(f"--pool-admin {spec}: more admin URLs than --pool replicas of {pool!r}")
+        host, http_port, _ = endpoints[pool][i]
+        watchers.append(PoolWatcher(pool, url, f"http://{host}:{http_port}/health", levels.reporter(i)))
     return asyncio.run(serve(cp.ads, watchers, args.host, args.port))
 
 

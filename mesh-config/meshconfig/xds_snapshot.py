@@ -26,6 +26,7 @@ from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
+from envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import client_side_weighted_round_robin_pb2  # noqa: F401
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
@@ -116,8 +117,12 @@ class MeshTarget:
     listen_host: str
     listen_port: int
     wasm_path: Path
-    endpoints: dict[str, tuple[str, int, int]]
-    """pool -> (host, HTTP port, gRPC port or 0)."""
+    endpoints: dict[str, tuple[str, int, int] | list[tuple[str, int, int]]]
+    """pool -> (host, HTTP port, gRPC port or 0), or a list of them: one per replica."""
+
+    def replicas(self, pool: str) -> list[tuple[str, int, int]]:
+        e = self.endpoints[pool]
+        return [e] if isinstance(e, tuple) else list(e)
 
 
 def mesh_listener(policy: Policy, target: MeshTarget, levels: dict[str, int] | None = None) -> MeshListener:
@@ -134,7 +139,7 @@ def mesh_listener(policy: Policy, target: MeshTarget, levels: dict[str, int] | N
         admin_port=0,
         wasm_path=target.wasm_path,
         filter_config=policy.filter_config(),
-        pools=[PoolEndpoint(name, *target.endpoints[name]) for name in policy.pools],
+        pools=[PoolEndpoint.of(name, target.replicas(name)) for name in policy.pools],
         default_pool=policy.default_pool,
         spill=spill,
         shed_classes=shed,
