@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 from .config import ConfigError, ModelConfig
 from .errors import BadRequest, EngineFailed, UnknownModel
 from .monitors import EngineStats
-from .requests import Completion, GenerationRequest, TokenDelta
+from .requests import Completion, GenerationRequest, TokenDelta, TokenLogprob
 
 log = logging.getLogger("infermesh.sidecar.engines")
 
@@ -64,6 +65,8 @@ class ModelEngine:
         self.sleeping = False
         self.pids: list[int] = []
         """vLLM's engine-core process(es) of this model: what the stall fault stops."""
+        self.prometheus: set = set()
+        """vLLM's own metric collectors of this engine (`vllm:*`, labelled by model_name)."""
         self.chat_template: str | None = None
         """The policy's `chat_template` as text (None: the tokenizer's own), loaded at start."""
         self.default_sampling: dict = {}
@@ -102,9 +105,12 @@ class ModelEngine:
             def __init__(self, vllm_config, engine_index: int = 0):
                 _StatsLogger.__init__(self, sink)
 
-        before = _child_pids()
+        from .metrics import vllm_collectors
+
+        before, collectors = _child_pids(), vllm_collectors()
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[Logger])
         self.pids = sorted(_child_pids() - before)
+        self.prometheus = vllm_collectors() - collectors
         self.tokenizer = self.engine.get_tokenizer()
         self.default_sampling = dict(self.engine.model_config.get_diff_sampling_param())
         self.load_seconds = time.monotonic() - t0
@@ -153,17 +159,45 @@ class ModelEngine:
             kwargs["seed"] = req.seed
         if req.stop:
             kwargs["stop"] = list(req.stop)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "logprobs"):
+            if (value := getattr(req, name)) is not None:
+                kwargs[name] = value
+        if req.min_tokens:
+            kwargs["min_tokens"] = req.min_tokens
+        if req.stop_token_ids:
+            kwargs["stop_token_ids"] = list(req.stop_token_ids)
+        if req.structured_output is not None:
+            kwargs["structured_outputs"] = dict(req.structured_output)
         return kwargs
 
     def sampling_params(self, req: GenerationRequest, prompt_len: int, default_max_tokens: int):
+        """vLLM's SamplingParams, checked as vLLM's engine checks them before it takes a request
+        (SamplingParams.verify: logprobs limit, token ids in the vocabulary, the structured-output
+        constraint compiled by its backend): a value vLLM refuses is a BadRequest naming it."""
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         kwargs = self.sampling_kwargs(req, prompt_len, default_max_tokens)
+        constraint = kwargs.pop("structured_outputs", None)
+        cfg = self.engine.vllm_config
+
+        def verify(params) -> None:
+            params.verify(self.engine.model_config, cfg.speculative_config, cfg.structured_outputs_config, self.tokenizer)
+
         try:
-            return SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
-        except (ValueError, TypeError) as e:
-            raise BadRequest(str(e)) from e
+            params = SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
+            verify(params)
+        except (VLLMValidationError, ValueError, TypeError) as e:
+            raise vllm_bad_request(e, set(kwargs)) from e
+        if constraint is not None:
+            # Checked on its own, so whatever vLLM says about it is reported as this field.
+            try:
+                params.structured_outputs = StructuredOutputsParams(**constraint)
+                verify(params)
+            except (VLLMValidationError, ValueError, TypeError) as e:
+                raise vllm_bad_request(e, set(), param="structured_outputs") from e
+        return params
 
     def _vllm_prompt(self, prompt_ids: list[int]):
         from vllm.inputs import TokensPrompt
@@ -187,7 +221,8 @@ class ModelEngine:
                         finish[o.index] = o.finish_reason
                     if o.text or o.token_ids:
                         produced = True
-                        yield TokenDelta(o.text, list(o.token_ids), o.index)
+                        yield TokenDelta(o.text, list(o.token_ids), o.index,
+                                         token_logprobs(o.token_ids, o.logprobs, req.logprobs) if req.logprobs is not None else None)
                 if out.finished:
                     yield Completion(finish.get(0, "stop"), len(prompt_ids), completion_tokens, self.config.name,
                                      finish_reasons={i: finish.get(i, "stop") for i in range(req.n)})
@@ -197,6 +232,9 @@ class ModelEngine:
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:
+            if completion_tokens == 0 and _is_vllm_client_error(e):
+                # vLLM refused the request itself (its input checks), before any output.
+                raise vllm_bad_request(e, set()) from e
             log.exception("generation failed", extra={"request_id": req.request_id})
             raise EngineFailed(f"generation failed: {type(e).__name__}") from e
 
@@ -209,6 +247,38 @@ class ModelEngine:
             log.info("aborted request", extra={"request_id": request_id})
         except Exception:  # the engine may be shutting down; nothing is left to free
             log.debug("abort failed", exc_info=True)
+
+
+def vllm_bad_request(e: BaseException, fields: set[str], param: str | None = None) -> BadRequest:
+    """A request vLLM refused, as a BadRequest naming the field (vLLM's SamplingParams name)."""
+    message = str(e.args[0]) if e.args else str(e)
+    param = param or getattr(e, "parameter", None)
+    if param is None:
+        # Many of vLLM's checks name no parameter, but their message starts with it:
+        # "min_p must be in [0, 1], got 1.5."
+        first = re.match(r"\w+", message)
+        param = first.group(0) if first and first.group(0) in fields else None
+    return BadRequest(message, param=param)
+
+
+def _is_vllm_client_error(e: BaseException) -> bool:
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(e, VLLMClientError)
+
+
+def token_logprobs(token_ids, logprobs, top_n: int) -> list[TokenLogprob]:
+    """vLLM's per-position logprob maps (token id -> Logprob) as TokenLogprobs for the tokens
+    generated, each with the `top_n` most likely tokens of its position (by vLLM's rank)."""
+    out = []
+    for token_id, position in zip(token_ids, logprobs or ()):
+        if position is None or (chosen := position.get(token_id)) is None:
+            continue
+        ranked = sorted(((lp.rank, tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= top_n),
+                        key=lambda r: r[0])
+        out.append(TokenLogprob(token_id, chosen.decoded_token or "", chosen.logprob, chosen.rank or 0,
+                                [(tid, lp.decoded_token or "", lp.logprob) for _, tid, lp in ranked]))
+    return out
 
 
 def load_chat_template(m: ModelConfig) -> str | None:

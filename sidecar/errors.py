@@ -42,6 +42,7 @@ class UnknownModel(SidecarError):
     openai_type = "invalid_request_error"
 
     def __init__(self, model: str, known: list[str]):
+        self.model, self.known = model, known
         super().__init__(
             f"The model `{model}` does not exist on this pool. Available: {', '.join(known)}",
             param="model",

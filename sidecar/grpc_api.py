@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import grpc
@@ -24,37 +25,91 @@ FULL_SERVICE = "infermesh.pool.full_service"
 """Health name that is SERVING only while the pool runs without any breaker action."""
 
 
+# vLLM's names of the fields this front calls otherwise (errors name the proto's field).
+PROTO_FIELD = {"structured_outputs": "structured_output", "logprobs": "top_logprobs"}
+
+
+def _optional(request: pb.GenerateRequest, name: str):
+    return getattr(request, name) if request.HasField(name) else None
+
+
 def generation_request(request: pb.GenerateRequest, request_class: str, max_n: int) -> GenerationRequest:
+    if request.top_logprobs and not request.logprobs:
+        raise BadRequest("top_logprobs needs logprobs", param="top_logprobs")
     req = GenerationRequest(
         model=request.model or None,
         max_tokens=request.max_tokens or None,
-        temperature=request.temperature if request.HasField("temperature") else None,
-        top_p=request.top_p if request.HasField("top_p") else None,
-        seed=request.seed if request.HasField("seed") else None,
+        temperature=_optional(request, "temperature"),
+        top_p=_optional(request, "top_p"),
+        seed=_optional(request, "seed"),
         stop=list(request.stop),
         request_id=request.request_id,
         request_class=request_class,
         n=request.n or 1,
         ignore_eos=request.ignore_eos,
+        presence_penalty=_optional(request, "presence_penalty"),
+        frequency_penalty=_optional(request, "frequency_penalty"),
+        repetition_penalty=_optional(request, "repetition_penalty"),
+        top_k=_optional(request, "top_k"),
+        min_p=_optional(request, "min_p"),
+        min_tokens=request.min_tokens,
+        stop_token_ids=list(request.stop_token_ids),
+        logprobs=request.top_logprobs if request.logprobs else None,
+        structured_output=structured_output(request) if request.HasField("structured_output") else None,
     )
     if req.n > max_n:
-        raise BadRequest(f"n must be at most {max_n}")
+        raise BadRequest(f"n must be at most {max_n}", param="n")
     kind = request.WhichOneof("prompt")
     if kind == "text":
         req.prompt = request.text
     elif kind == "chat":
         req.messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         if not req.messages:
-            raise BadRequest("chat.messages must not be empty")
+            raise BadRequest("chat.messages must not be empty", param="chat.messages")
     else:
-        raise BadRequest("one of `text` or `chat` is required")
+        raise BadRequest("one of `text` or `chat` is required", param="prompt")
     return req
+
+
+def structured_output(request: pb.GenerateRequest) -> dict:
+    """The constraint as vLLM's StructuredOutputsParams keywords (vLLM checks the rest)."""
+    so = request.structured_output
+    kind = so.WhichOneof("constraint")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(so.json_schema)
+        except ValueError as e:
+            raise BadRequest(f"structured_output.json_schema is not JSON: {e}", param="structured_output.json_schema") from e
+        if not isinstance(schema, dict):
+            raise BadRequest("structured_output.json_schema must be a JSON object", param="structured_output.json_schema")
+        return {"json": schema}
+    if kind == "regex":
+        return {"regex": so.regex}
+    if kind == "choice":
+        return {"choice": list(so.choice.choices)}
+    raise BadRequest("structured_output needs one of json_schema, regex, choice", param="structured_output")
+
+
+def grpc_message(e: SidecarError) -> str:
+    """The status message: an invalid argument starts with the proto field it is about."""
+    if not isinstance(e, BadRequest) or not e.param:
+        return e.message
+    field = PROTO_FIELD.get(e.param, e.param)
+    return e.message if e.message.startswith(field) else f"{field}: {e.message}"
+
+
+def token_chunk(ev: TokenDelta) -> pb.TokenChunk:
+    chunk = pb.TokenChunk(text=ev.text, token_ids=ev.token_ids, index=ev.index)
+    for lp in ev.logprobs or ():
+        chunk.logprobs.add(token_id=lp.token_id, token=lp.token, logprob=lp.logprob, rank=lp.rank,
+                           top_logprobs=[pb.TopLogprob(token_id=t, token=text, logprob=v) for t, text, v in lp.top])
+    return chunk
 
 
 async def _abort(context: grpc.aio.ServicerContext, e: SidecarError) -> None:
     if e.retry_after_s is not None:
         context.set_trailing_metadata((("retry-after", str(max(1, int(round(e.retry_after_s))))),))
-    await context.abort(e.grpc_code, e.message)
+    await context.abort(e.grpc_code, grpc_message(e))
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -87,7 +142,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         first = False
                         await context.send_initial_metadata(tuple(load_report_header(self.pool).items()))
                     if isinstance(ev, TokenDelta):
-                        yield pb.GenerateResponse(request_id=rid, chunk=pb.TokenChunk(text=ev.text, token_ids=ev.token_ids, index=ev.index))
+                        yield pb.GenerateResponse(request_id=rid, chunk=token_chunk(ev))
                         continue
                     context.set_trailing_metadata(tuple(identity_headers(self.pool, ev.model, ev.degraded, ev.degraded_reason,
                                                                          load_report=False).items()))

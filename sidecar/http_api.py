@@ -1,9 +1,21 @@
-"""OpenAI-compatible HTTP front: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+"""OpenAI-compatible HTTP front on vLLM's own serving layer.
 
-Streams are Server-Sent Events written as tokens arrive, with `X-Accel-Buffering: no` so no
-proxy holds them back. A stream's headers go out with its first token, so an error before it is a
-real HTTP status and a proxy's time to headers is the time to first token. Every response says who served it: `x-infermesh-model`,
-`x-infermesh-degraded`, `x-infermesh-served-by`.
+    POST /v1/chat/completions  /v1/completions  /v1/responses  /v1/messages (Anthropic)
+    POST /tokenize  /detokenize      GET /v1/models  /health  /metrics
+
+vLLM's request models, chat templating, tool and reasoning parsers, structured outputs, logprobs
+and response building answer every request (vllm_serving.py), so a client written for
+`vllm serve` gets the same fields honoured and the same errors. What infermesh adds, per request:
+
+- admission first (classes, breakers, shedding with Retry-After, the ladder: a degraded request
+  is served by the fallback model and answered under its name), then vLLM's layer on the engine
+  client of the admitted model (vllm_engine_client.py: the class's vLLM priority, coalesced
+  streaming, metrics, abort on release). vLLM never sees the client's `X-Request-Id`, priority
+  header or body `priority` / `request_id`: the class decides.
+- response headers only once the first token (or an error) is ready, so an error before the first
+  token is a real status and Envoy's per-try timeout is a TTFT deadline;
+- `x-infermesh-*` headers (response_headers.identity_headers) and `usage.infermesh`;
+- a client that hangs up, streaming or not, releases its vLLM request at once.
 """
 
 from __future__ import annotations
@@ -11,33 +23,37 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from http import HTTPStatus
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .errors import BadRequest, PayloadTooLarge, SidecarError
+from .errors import BadRequest, DeadlineExceeded, PayloadTooLarge, SidecarError, UnknownModel
 from .lifecycle import Front, RequestLifecycle
+from .metrics import process_metrics
 from .pool import Pool
-from .requests import TTFT_GIVE_UP_HEADER, Completion, GenerationRequest, TokenDelta, ttft_give_up_s
+from .requests import TTFT_GIVE_UP_HEADER, GenerationRequest, ttft_give_up_s
 from .response_headers import identity_headers
 from . import state_api
+from .vllm_engine_client import ADMITTED
+from .vllm_serving import PoolServing
 
 log = logging.getLogger("infermesh.sidecar.http")
 
-
-def _error_response(e: SidecarError) -> JSONResponse:
-    headers = {}
-    if e.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, int(round(e.retry_after_s))))
-    return JSONResponse(e.openai_body(), status_code=e.http_status, headers=headers)
-
-
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DISCARD_MAX_BYTES = 64 << 20
 """How much of an oversize body is read and thrown away before the 413 goes out."""
+
+
+def _error_response(e: SidecarError, headers: dict | None = None) -> JSONResponse:
+    h = dict(headers or {})
+    if e.retry_after_s is not None:
+        h["Retry-After"] = str(max(1, int(round(e.retry_after_s))))
+    return JSONResponse(e.openai_body(), status_code=e.http_status, headers=h)
 
 
 async def _discard_rest(request: Request, seen: int) -> None:
@@ -49,7 +65,7 @@ async def _discard_rest(request: Request, seen: int) -> None:
             return
 
 
-async def _read_json(request: Request, limit: int) -> dict:
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         await _discard_rest(request, 0)
@@ -60,79 +76,134 @@ async def _read_json(request: Request, limit: int) -> dict:
         if len(body) > limit:
             await _discard_rest(request, len(body))
             raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+    return bytes(body)
+
+
+class _VllmErrors:
+    """vLLM's own answers to a request it cannot parse or serve (its exception handlers)."""
+
+    _state = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(log_error_stack=False))),
+                             state=SimpleNamespace())
+
+    @classmethod
+    async def validation(cls, errors: list) -> JSONResponse:
+        from fastapi.exceptions import RequestValidationError
+        from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
+
+        return await validation_exception_handler(cls._state, RequestValidationError(errors))
+
+    @staticmethod
+    def not_found(e: UnknownModel) -> JSONResponse:
+        """A model not on the ladder, answered as vLLM's _check_model does (its message, NotFoundError)."""
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        err = create_error_response(f"The model `{e.model}` does not exist. Valid aliases: {', '.join(e.known)}.", err_type="NotFoundError",
+                                    status_code=HTTPStatus.NOT_FOUND, param="model")
+        return JSONResponse(err.model_dump(), status_code=HTTPStatus.NOT_FOUND)
+
+    @staticmethod
+    def of(exc: BaseException) -> JSONResponse:
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        err = create_error_response(exc)
+        return JSONResponse(err.model_dump(), status_code=err.error.code)
+
+
+async def _parse(model: Any, request: Request, body: bytes) -> Any:
+    """The body as vLLM's request model, or vLLM's 400 (as FastAPI's validation gives it there)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    media = request.headers.get("content-type", "").lower().split(";", 1)[0].strip()
+    if media != "application/json":
+        return await _VllmErrors.validation(["Unsupported Media Type: Only 'application/json' is allowed"])
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
-    return data
+        return await _VllmErrors.validation(
+            [{"type": "json_invalid", "loc": ("body", getattr(e, "pos", 0)), "msg": "JSON decode error", "input": {},
+              "ctx": {"error": str(e)}}])
+    try:
+        adapter = model if isinstance(model, TypeAdapter) else None
+        return adapter.validate_python(data) if adapter else model.model_validate(data)
+    except ValidationError as e:
+        errors = [dict(err, loc=("body", *err["loc"])) for err in e.errors(include_url=False)]
+        return await _VllmErrors.validation(errors)
+    except Exception as e:  # a validator that raised past pydantic (VLLMValidationError): vLLM's handlers' answer
+        return _VllmErrors.of(e)
 
 
-def _opt_number(body: dict, key: str, kind: type, lo: float | None = None, hi: float | None = None) -> Any:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise BadRequest(f"`{key}` must be a {'integer' if kind is int else 'number'}", param=key)
-    v = kind(v)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise BadRequest(f"`{key}` must be between {lo} and {hi}", param=key)
-    return v
+async def _until_disconnect(request: Request, work: Awaitable) -> tuple[bool, Any]:
+    """(True, result) or, when the client hangs up first, (False, None) with `work` cancelled:
+    a non-streaming request then releases its vLLM request at once (vLLM's `with_cancellation`)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    return False, None
 
 
-def _parse_common(body: dict, api: str, max_n: int = 1) -> GenerationRequest:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest("`model` must be a string", param="model")
-    n = _opt_number(body, "n", int, 1, max_n) or 1
-    max_tokens = _opt_number(body, "max_completion_tokens", int, 1) or _opt_number(body, "max_tokens", int, 1)
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
-        raise BadRequest("`stop` must be a string or a list of up to 4 strings", param="stop")
-    req = GenerationRequest(
-        model=model,
-        max_tokens=max_tokens,
-        temperature=_opt_number(body, "temperature", float, 0, 2),
-        top_p=_opt_number(body, "top_p", float, 0, 1),
-        seed=_opt_number(body, "seed", int),
-        stop=stop,
-        n=n,
-        ignore_eos=body.get("ignore_eos") is True,  # vLLM's extension, for benchmarks
-    )
-    if api == "chat":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise BadRequest("`messages` must be a non-empty list", param="messages")
-        clean = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise BadRequest(f"`messages[{i}]` must be an object with a `role`", param=f"messages[{i}]")
-            content = m.get("content", "")
-            if isinstance(content, list):  # the content-parts form: keep the text parts
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-            if not isinstance(content, str):
-                raise BadRequest(f"`messages[{i}].content` must be a string or text parts", param=f"messages[{i}].content")
-            clean.append({"role": m["role"], "content": content})
-        req.messages = clean
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise BadRequest("`prompt` must be a string", param="prompt")
-        req.prompt = prompt
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("`stream` must be a boolean", param="stream")
-    return req
+def _infermesh_usage(pool: Pool, life: RequestLifecycle) -> dict:
+    adm = life.admission
+    return {"model": adm.engine.config.name, "degraded": adm.degraded, "degraded_reason": adm.degraded_reason or None,
+            "served_by": pool.config.served_by}
+
+
+class Api:
+    """One generation endpoint: vLLM's request model, the serving method, how an answer is dumped."""
+
+    def __init__(self, name: str, request_model: Any, call: Callable, dump: Callable[[Any], dict] | None = None,
+                 openai_usage: bool = True):
+        self.name, self.request_model, self.call = name, request_model, call
+        self.dump = dump or (lambda r: r.model_dump())
+        self.openai_usage = openai_usage
+        """Stream chunks are OpenAI's (`usage` on a chunk without choices)."""
+
+
+def _apis() -> dict[str, Api]:
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    def sse_events(gen):  # vLLM's /v1/responses router frames its events itself
+        async def frames():
+            async for event in gen:
+                yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
+        return frames()
+
+    async def responses(s, req):
+        out = await s.responses.create_responses(req, None)
+        return out if isinstance(out, (dict, type(None))) or hasattr(out, "model_dump") else sse_events(out)
+
+    return {
+        "chat": Api("chat", ChatCompletionRequest, lambda s, r: s.chat.create_chat_completion(r, None)),
+        "completions": Api("completions", CompletionRequest, lambda s, r: s.completion.create_completion(r, None)),
+        "messages": Api("messages", AnthropicMessagesRequest, lambda s, r: s.messages.create_messages(r, None),
+                        dump=lambda r: r.model_dump(exclude_none=True), openai_usage=False),
+        "responses": Api("responses", ResponsesRequest, responses,
+                         dump=lambda r: r.model_dump(mode="json", by_alias=True), openai_usage=False),
+    }
 
 
 def build_app(pool: Pool) -> FastAPI:
     cfg = pool.config
     metrics = pool.metrics
+    serving = PoolServing()
+    apis: dict[str, Api] = {}
     app = FastAPI(title="infermesh sidecar", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/health")
@@ -144,99 +215,199 @@ def build_app(pool: Pool) -> FastAPI:
     @app.get("/metrics")
     async def prom() -> Response:
         metrics.inflight.set(pool.inflight)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # infermesh's own registry, then vLLM's `vllm:*` series of every loaded engine.
+        vllm = process_metrics([m.prometheus for m in pool.ladder if m.engine is not None])
+        return Response(generate_latest(metrics.registry) + vllm, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        now = int(time.time())
-        data = [{"id": name, "object": "model", "created": now, "owned_by": "infermesh"} for name in pool.model_ids()]
-        return JSONResponse({"object": "list", "data": data})
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, ModelPermission
 
-    async def serve(request: Request, api: str) -> Response:
+        cards = []
+        for engine in pool.ladder:
+            if engine.engine is not None:
+                cards += (await serving.of(engine).models.show_available_models()).data
+            else:  # a fallback not loaded on this replica: listed, as the ladder has it
+                cards.append(ModelCard(id=engine.config.name, root=engine.config.path, max_model_len=engine.config.max_model_len, permission=[ModelPermission()],
+                                       owned_by="vllm"))
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    async def tokenization(request: Request, which: str) -> Response:
+        from pydantic import TypeAdapter
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+        try:
+            body = await _read_body(request, cfg.server.max_body_bytes)
+        except SidecarError as e:
+            return _error_response(e)
+        model = TypeAdapter(TokenizeRequest) if which == "tokenize" else DetokenizeRequest
+        req = await _parse(model, request, body)
+        if isinstance(req, Response):
+            return req
+        try:
+            engine = pool.ladder.resolve(req.model)
+        except UnknownModel as e:
+            return _VllmErrors.not_found(e)
+        if engine.engine is None:
+            return _VllmErrors.of(RuntimeError("the model is still loading"))
+        req.model = engine.config.name
+        s = serving.of(engine).tokenization
+        try:
+            out = await (s.create_tokenize(req, None) if which == "tokenize" else s.create_detokenize(req, None))
+        except Exception as e:
+            return _VllmErrors.of(e)
+        return JSONResponse(out.model_dump(), status_code=getattr(getattr(out, "error", None), "code", 200))
+
+    async def generate(request: Request, api_name: str) -> Response:
+        if not apis:
+            apis.update(_apis())
+        api = apis[api_name]
         request_class = request.headers.get("x-infermesh-class", "")
         try:
-            body = await _read_json(request, cfg.server.max_body_bytes)
-            req = _parse_common(body, api, cfg.server.max_n)
+            body = await _read_body(request, cfg.server.max_body_bytes)
         except SidecarError as e:
-            pool.refuse(Front.HTTP, api, request_class, e)
+            pool.refuse(Front.HTTP, api.name, request_class, e)
             return _error_response(e)
-        req.request_class = request_class
-        req.ttft_give_up_s = ttft_give_up_s(request.headers.get(TTFT_GIVE_UP_HEADER))
-        stream = bool(body.get("stream", False))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if stream else False
-        life = pool.lifecycle(req, Front.HTTP, api)
-        created = int(time.time())
-        if stream:
-            try:
-                adm = life.admit()  # before the response starts: a refusal gets its status
-            except SidecarError as e:
-                return _error_response(e)
-            rid = ("chatcmpl-" if api == "chat" else "cmpl-") + adm.request_id
-            model = adm.engine.config.name
-            # Headers go out with the first token: an error before it gets its real status, and
-            # Envoy's per-try timeout (which ends when headers arrive) measures time to first token.
-            events = life.events()
-            try:
-                first = await _first_event(request, events)
-            except SidecarError as e:
-                await life.close(e)
-                return _error_response(e)
-            except ClientGone:
-                await life.close()  # counted as gone (499); vLLM aborts the request
-                return Response(status_code=499)
-            except BaseException:
-                await life.close()  # the client left (or we were cancelled): abort in vLLM
-                raise
-            gen = _sse(life, api, rid, created, model, include_usage, cfg.served_by, req.n, _then(first, events))
-            headers = identity_headers(pool, model, adm.degraded, adm.degraded_reason)
-            return _LifecycleStream(life, gen, media_type="text/event-stream",
-                                    headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
+        req = await _parse(api.request_model, request, body)
+        if isinstance(req, Response):
+            pool.refuse(Front.HTTP, api.name, request_class, BadRequest("invalid request"))
+            return req
+        n = getattr(req, "n", None) or 1
+        if n > cfg.server.max_n:  # the pool's own limit (server.max_n), beyond vLLM's checks
+            e = BadRequest(f"`n` must be at most {cfg.server.max_n} on this pool", param="n")
+            pool.refuse(Front.HTTP, api.name, request_class, e)
+            return _error_response(e)
+        ticket = GenerationRequest(model=getattr(req, "model", None), n=n, request_class=request_class)
+        ticket.ttft_give_up_s = ttft_give_up_s(request.headers.get(TTFT_GIVE_UP_HEADER))
+        life = pool.lifecycle(ticket, Front.HTTP, api.name)
         try:
-            async with life:
-                async for ev in life.events():
-                    if isinstance(ev, TokenDelta):
-                        texts.setdefault(ev.index, []).append(ev.text)
+            adm = life.admit()
+        except UnknownModel as e:
+            return _VllmErrors.not_found(e)
         except SidecarError as e:
             return _error_response(e)
-        final = life.completion
-        rid = ("chatcmpl-" if api == "chat" else "cmpl-") + req.request_id
-        choices = []
-        for i in sorted(texts):
-            content = "".join(texts[i])
-            choice: dict[str, Any] = {"index": i, "finish_reason": final.finish_reasons.get(i, final.finish_reason), "logprobs": None}
-            if api == "chat":
-                choice["message"] = {"role": "assistant", "content": content}
-            else:
-                choice["text"] = content
-            choices.append(choice)
-        out = {
-            "id": rid,
-            "object": "chat.completion" if api == "chat" else "text_completion",
-            "created": created,
-            "model": final.model,
-            "choices": choices,
-            "usage": _usage(final, cfg.served_by),
-        }
-        return JSONResponse(out, headers=identity_headers(pool, final.model, final.degraded, final.degraded_reason))
+        return await _serve(request, api, req, life, adm)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await serve(request, "chat")
+    async def _serve(request: Request, api: Api, req: Any, life: RequestLifecycle, adm) -> Response:
+        engine = adm.engine
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serve(request, "completions")
+        def headers() -> dict:  # at the moment the response goes out (the load report is the pool's now)
+            return identity_headers(pool, engine.config.name, adm.degraded, adm.degraded_reason)
+        # vLLM's layer sees the admitted model's one name and the admission's id; its priority
+        # is the class's (the engine client sets it), never the body's.
+        req.model = engine.config.name
+        if hasattr(req, "request_id"):
+            req.request_id = ("resp_" if api.name == "responses" else "") + adm.request_id
+        if hasattr(req, "priority"):
+            req.priority = 0
+        ADMITTED.set(life)
+        streaming = False
+        try:
+            try:
+                present, out = await _until_disconnect(request, api.call(serving.of(engine), req))
+            except Exception as e:  # vLLM's exception handlers' answer (4xx for the client's faults)
+                resp = _VllmErrors.of(e)
+                await life.close(status=str(resp.status_code))
+                resp.headers.update(headers())
+                return resp
+            if not present:
+                return Response(status_code=499)
+            from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+            if isinstance(out, ErrorResponse):
+                await life.close(status=str(out.error.code))
+                content = out.model_dump()
+                if api.name == "messages":  # vLLM's Anthropic router translates its errors
+                    content = {"type": "error", "error": {"type": out.error.type, "message": out.error.message}}
+                return JSONResponse(content, status_code=out.error.code, headers=headers())
+            if not hasattr(out, "__anext__"):
+                content = api.dump(out)
+                await life.close()
+                if isinstance(content.get("usage"), dict):
+                    content["usage"]["infermesh"] = _infermesh_usage(pool, life)
+                return JSONResponse(content, headers=headers())
+            streaming = True
+            return await _start_stream(request, api, out, life, headers)
+        finally:
+            if not streaming:
+                await life.close()  # no-op once closed; a vanished client otherwise (499)
+
+    async def _start_stream(request: Request, api: Api, gen: AsyncIterator[str], life: RequestLifecycle, headers: Callable[[], dict]) -> Response:
+        # Headers go out with the first content (vLLM's role chunk comes with the first token):
+        # an error before it is a real status.
+        limit = life.req.ttft_give_up_s
+        first_chunk = _first(gen) if limit is None else asyncio.wait_for(_first(gen), max(0.0, life.first_token_deadline() - pool.clock()))
+        try:
+            present, first = await _until_disconnect(request, first_chunk)
+        except asyncio.TimeoutError:  # the mesh's TTFT limit (x-infermesh-ttft-give-up-ms) passed: 504, vLLM aborts
+            await gen.aclose()
+            e = DeadlineExceeded(f"no first token within {limit * 1000:.0f} ms", code="ttft_deadline_exceeded", retry_after_s=1)
+            await life.close(e)
+            return _error_response(e, headers())
+        except Exception as e:
+            await gen.aclose()
+            resp = _VllmErrors.of(e)
+            await life.close(status=str(resp.status_code))
+            resp.headers.update(headers())
+            return resp
+        if not present:
+            await gen.aclose()
+            await life.close()
+            return Response(status_code=499)
+        if first is None or first.startswith("data: {\"error\""):
+            await gen.aclose()
+            error = json.loads(first[6:])["error"] if first else {"message": "empty stream", "type": "InternalServerError", "code": 500}
+            status = error.get("code") if isinstance(error.get("code"), int) else 500
+            await life.close(status=str(status))
+            return JSONResponse({"error": error}, status_code=status, headers=headers())
+        usage = _infermesh_usage(pool, life)
+        frames = _frames(first, gen, usage) if api.openai_usage else _chain(first, gen)
+        return _LifecycleStream(life, frames, media_type="text/event-stream", headers=headers() | STREAM_HEADERS)
+
+    def route(handler: Callable[[Request, str], Awaitable[Response]], name: str) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await handler(request, name)
+        return endpoint
+
+    for path, name in [("/v1/chat/completions", "chat"), ("/v1/completions", "completions"), ("/v1/messages", "messages"),
+                       ("/v1/responses", "responses")]:
+        app.add_api_route(path, route(generate, name), methods=["POST"])
+    for name in ("tokenize", "detokenize"):
+        app.add_api_route(f"/{name}", route(tokenization, name), methods=["POST"])
 
     state_api.install(app, pool)
     return app
+
+
+async def _first(gen: AsyncIterator[str]) -> str | None:
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _chain(first: str, gen: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for chunk in gen:
+        yield chunk
+
+
+async def _frames(first: str, gen: AsyncIterator[str], infermesh: dict) -> AsyncIterator[str]:
+    """vLLM's chunks as they are, `usage.infermesh` added to the usage chunk (the one without choices)."""
+    async for chunk in _chain(first, gen):
+        if '"choices":[]' in chunk and '"usage":{' in chunk and chunk.startswith("data: {"):
+            payload = json.loads(chunk[6:])
+            if isinstance(payload.get("usage"), dict):
+                payload["usage"]["infermesh"] = infermesh
+                chunk = "data: " + json.dumps(payload, separators=(",", ":")) + "\n\n"
+        yield chunk
 
 
 class _LifecycleStream(StreamingResponse):
     """A streaming response that releases its request however the response ends, also when the
     client left before the body began (then Starlette never starts the body iterator)."""
 
-    def __init__(self, life: RequestLifecycle, content: AsyncIterator[bytes], **kwargs):
+    def __init__(self, life: RequestLifecycle, content: AsyncIterator[str], **kwargs):
         super().__init__(content, **kwargs)
         self.life = life
 
@@ -246,102 +417,3 @@ class _LifecycleStream(StreamingResponse):
         finally:
             await self.body_iterator.aclose()
             await self.life.close()
-
-
-def _usage(final: Completion, served_by: str) -> dict:
-    return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-        "infermesh": {
-            "model": final.model,
-            "degraded": final.degraded,
-            "degraded_reason": final.degraded_reason or None,
-            "served_by": served_by,
-        },
-    }
-
-
-def delta_framer(api: str, rid: str, created: int, model: str, include_usage: bool) -> Callable[[int, str], bytes]:
-    """The SSE frame of one token delta, byte for byte what `json.dumps(payload, separators=(",", ":"))`
-    gives for it, with everything but the index and the text encoded once per stream.
-
-    Streams are most of what this front writes: one frame per step per choice."""
-    obj = "chat.completion.chunk" if api == "chat" else "text_completion"
-    head = (
-        f'data: {{"id":{json.dumps(rid)},"object":"{obj}","created":{created},"model":{json.dumps(model)},"choices":[{{"index":'
-    ).encode()
-    mid = b',"delta":{"content":' if api == "chat" else b',"text":'
-    tail = (b"}" if api == "chat" else b"") + b',"logprobs":null,"finish_reason":null}]' + (b',"usage":null' if include_usage else b"") + b"}\n\n"
-    dumps = json.dumps
-
-    def frame(index: int, text: str) -> bytes:
-        return b"".join((head, str(index).encode(), mid, dumps(text).encode(), tail))
-
-    return frame
-
-
-class ClientGone(Exception):
-    """The client closed the connection before the first token (e.g. Envoy reset a losing hedge)."""
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _first_event(request: Request, events: AsyncIterator):
-    """The stream's first event, or ClientGone if the client leaves first (the body is read, so the
-    next ASGI message is the disconnect)."""
-    nxt = asyncio.ensure_future(anext(events))
-    gone = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not nxt.done():
-            nxt.cancel()
-            await asyncio.gather(nxt, return_exceptions=True)
-    if nxt.cancelled():
-        raise ClientGone()
-    return nxt.result()
-
-
-async def _then(first, rest: AsyncIterator) -> AsyncIterator:
-    yield first
-    async for ev in rest:
-        yield ev
-
-
-async def _sse(life: RequestLifecycle, api: str, rid: str, created: int, model: str, include_usage: bool, served_by: str,
-               n: int, events: AsyncIterator) -> AsyncIterator[bytes]:
-    obj = "chat.completion.chunk" if api == "chat" else "text_completion"
-
-    def chunk(choice: dict, usage: dict | None = None) -> bytes:
-        payload: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice] if choice else []}
-        if include_usage:
-            payload["usage"] = usage
-        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-    delta = delta_framer(api, rid, created, model, include_usage)
-    try:
-        async with life:
-            if api == "chat":
-                for i in range(n):
-                    yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
-            async for ev in events:
-                if isinstance(ev, TokenDelta):
-                    yield delta(ev.index, ev.text)
-                    continue
-                for i in range(n):
-                    reason = ev.finish_reasons.get(i, ev.finish_reason)
-                    if api == "chat":
-                        yield chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})
-                    else:
-                        yield chunk({"index": i, "text": "", "logprobs": None, "finish_reason": reason})
-                if include_usage:
-                    yield chunk({}, _usage(ev, served_by))
-        yield b"data: [DONE]\n\n"
-    except SidecarError as e:
-        # Headers are gone already: report the error in-band, as OpenAI does, and end the stream.
-        yield b"data: " + json.dumps(e.openai_body()).encode() + b"\n\n"

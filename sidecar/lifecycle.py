@@ -4,6 +4,11 @@
         async for ev in life.events():                               # TokenDelta…, then Completion
             ...                                                      # the front formats them
 
+The HTTP front hands generation to vLLM's own serving layer instead: it admits the request, and
+vLLM's layer, having rendered the prompt and built the SamplingParams, calls the pool's engine
+client (vllm_engine_client.py), which runs them through `life.vllm_outputs(...)`: vLLM's
+RequestOutputs, with the class's priority, coalescing and the same measurements.
+
 Leaving the block, however it is left (the stream ended, an error, a vanished client, a passed
 deadline, a cancelled RPC), releases the request: its slot is freed and, if vLLM may still be
 generating, the request is aborted there so its KV cache is freed at once. TTFT, inter-token time,
@@ -64,6 +69,11 @@ class RequestLifecycle:
         self._vllm_done = False  # vLLM has finished or dropped it: nothing to abort
         self._events: AsyncIterator[TokenDelta | Completion] | None = None
         self._closed = False
+        self._vllm_ids: set[str] = set()
+        """vLLM requests of this request still running (several prompts in one completion)."""
+        self._outputs_done = False  # every vLLM request of vllm_outputs() finished
+        self._first_token_at: float | None = None
+        self._last_token_at: float | None = None
 
     # -- entry -------------------------------------------------------------------------------
 
@@ -91,6 +101,10 @@ class RequestLifecycle:
         await self.close(exc)
         return False
 
+    def first_token_deadline(self) -> float:
+        """When the request's TTFT limit (`req.ttft_give_up_s`, set) ends, on the pool's clock."""
+        return self._admitted_at + (self.req.ttft_give_up_s or 0.0)
+
     @property
     def request_id(self) -> str:
         return self.admit().request_id
@@ -112,6 +126,67 @@ class RequestLifecycle:
             return s.stream_coalesce_ms / 1000.0
         return 0.0
 
+    def _tokens_arrived(self, count: int, ttft_s: float | None = None) -> None:
+        """TTFT on the request's first tokens, inter-token time after (per token of a message)."""
+        now = self.pool.clock()
+        if self._first_token_at is None:
+            ttft = now - self._admitted_at if ttft_s is None else ttft_s
+            self.pool.metrics.ttft.labels(self.front.value, self.label_class).observe(ttft)
+            self.pool.window.record_ttft(ttft)
+            self._first_token_at = now
+        elif self._last_token_at is not None:
+            self.pool.metrics.itl.labels(self.front.value, self.label_class).observe((now - self._last_token_at) / max(1, count))
+        self._last_token_at = now
+        self.completion_tokens += count
+
+    async def vllm_outputs(self, prompt, params, vllm_request_id: str, **kwargs) -> AsyncIterator:
+        """vLLM's RequestOutputs for a prompt and SamplingParams that vLLM's serving layer built.
+
+        The priority is the class's (whatever the client asked for); several calls (one per prompt
+        of a completion) share the request's slot and measurements; a vLLM failure is counted in
+        the error window and re-raised as vLLM raised it, for vLLM's layer to answer."""
+        from vllm.sampling_params import RequestOutputKind
+
+        adm = self.admit()
+        pool = self.pool
+        kwargs["priority"] = pool.config.classes[adm.request_class].vllm_priority or 0
+        delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
+        self._submitted = True
+        self._vllm_ids.add(vllm_request_id)
+        counted: dict[int, int] = {}  # tokens of each choice so far (cumulative outputs)
+        prompt_counted = False
+        gen = adm.engine.engine.generate(prompt, params, vllm_request_id, **kwargs)
+        try:
+            async for out in gen:
+                if not prompt_counted and out.prompt_token_ids is not None:
+                    self.prompt_tokens += len(out.prompt_token_ids)
+                    prompt_counted = True
+                new = 0
+                for o in out.outputs:
+                    n = len(o.token_ids)
+                    new += n if delta else n - counted.get(o.index, 0)
+                    counted[o.index] = n if not delta else counted.get(o.index, 0) + n
+                if new:
+                    metrics = getattr(out, "metrics", None)
+                    ttft = metrics.first_token_latency if not delta and metrics is not None and metrics.first_token_latency else None
+                    self._tokens_arrived(new, ttft)
+                if out.finished:
+                    self._vllm_ids.discard(vllm_request_id)
+                    if not self._vllm_ids:
+                        self._outputs_done = True
+                        pool.window.record_outcome(failed=False)
+                yield out
+                if new and delta and not out.finished and (wait := self._pause_s()) > 0:
+                    await asyncio.sleep(wait)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception:
+            self._vllm_ids.discard(vllm_request_id)  # vLLM has dropped it
+            pool.window.record_outcome(failed=True)
+            raise
+        finally:
+            await gen.aclose()
+
     async def _generate(self) -> AsyncIterator[TokenDelta | Completion]:
         adm = self.admit()
         pool, engine = self.pool, adm.engine
@@ -119,22 +194,12 @@ class RequestLifecycle:
         params = engine.sampling_params(self.req, len(ids), pool.config.server.default_max_tokens)
         self.prompt_tokens = len(ids)
         priority = pool.config.classes[adm.request_class].vllm_priority or 0
-        ttft = pool.metrics.ttft.labels(self.front.value, self.label_class)
-        itl = pool.metrics.itl.labels(self.front.value, self.label_class)
-        last: float | None = None
         self._submitted = True
         gen = engine.generate(self.req, ids, params, priority, self._pause_s)
         try:
             async for ev in self._first_in_time(gen):
                 if isinstance(ev, TokenDelta):
-                    now = pool.clock()
-                    if last is None:
-                        ttft.observe(now - self._admitted_at)
-                        pool.window.record_ttft(now - self._admitted_at)
-                    else:
-                        itl.observe((now - last) / max(1, len(ev.token_ids)))
-                    last = now
-                    self.completion_tokens += len(ev.token_ids)
+                    self._tokens_arrived(len(ev.token_ids))
                     yield ev
                 else:
                     self._vllm_done = True
@@ -171,8 +236,9 @@ class RequestLifecycle:
 
     # -- exit --------------------------------------------------------------------------------
 
-    async def close(self, error: BaseException | None = None) -> None:
+    async def close(self, error: BaseException | None = None, status: str | None = None) -> None:
         """Record the outcome and release the request (abort it in vLLM if it may still run).
+        `status` overrides the outcome (the HTTP status vLLM's layer answered with).
         Idempotent: the HTTP stream also calls it when its response ends before the body began."""
         if self._closed:
             return
@@ -182,22 +248,31 @@ class RequestLifecycle:
                 await self._events.aclose()
         finally:
             if self.admission is not None:
-                self._record(error)
-                self.pool.admission.forget(self.admission.request_id)
-                if self._submitted and not self._vllm_done:
+                rid = self.admission.request_id
+                self._record(error, status)
+                self.pool.admission.forget(rid)
+                if self._events is None:  # vLLM's layer ran it: its requests still running
+                    left = sorted(self._vllm_ids)
+                else:
+                    left = [rid] if self._submitted and not self._vllm_done else []
+                self._vllm_ids.clear()
+                if left:
                     # Shielded: a stream cancelled by its server (Starlette cancels a vanished
                     # client's stream again at every await) must still reach vLLM's abort.
-                    await asyncio.shield(asyncio.ensure_future(self.admission.engine.abort(self.admission.request_id)))
+                    engine = self.admission.engine
+                    await asyncio.shield(asyncio.ensure_future(engine.abort(left[0] if len(left) == 1 else left)))
 
-    def _record(self, error: BaseException | None) -> None:
+    def _record(self, error: BaseException | None, status: str | None = None) -> None:
         m = self.pool.metrics
-        if isinstance(error, SidecarError):
+        if status is None and isinstance(error, SidecarError):
             status = self.front.status(error)
             if error.http_status >= 500:
                 self.pool.load.on_failed()
-        elif error is None and self.completion is not None:
+        elif status is not None and status.isdigit() and int(status) >= 500:
+            self.pool.load.on_failed()  # vLLM's layer answered with a server error
+        elif status is None and error is None and (self.completion is not None or self._outputs_done):
             status = self.front.ok
-        else:  # cancelled, or the consumer stopped reading: the client went away
+        elif status is None:  # cancelled, or the consumer stopped reading: the client went away
             status = self.front.gone
         m.requests.labels(self.front.value, self.api, self.label_class, status).inc()
         if self.prompt_tokens:

@@ -112,3 +112,46 @@ class SidecarMetrics:
                 self.kv_cache.labels(m.config.name).set(m.stats.kv_cache_usage)
                 self.engine_requests.labels(m.config.name, "running").set(m.stats.running)
                 self.engine_requests.labels(m.config.name, "waiting").set(m.stats.waiting)
+
+
+# -- vLLM's own series (`vllm:*`) ------------------------------------------------------------------
+
+def vllm_collectors() -> set:
+    """The collectors of vLLM's series in prometheus_client's process registry, where vLLM's
+    PrometheusStatLogger puts them (as in `vllm serve`)."""
+    from prometheus_client import REGISTRY
+
+    return {c for c, names in list(REGISTRY._collector_to_names.items()) if any(n.startswith("vllm:") for n in names)}
+
+
+class _Merged:
+    """Families of several collectors as one set, samples of same-named families joined: each
+    engine of the ladder has its own vLLM logger (labelled by model_name), and every engine after
+    the first unregisters the earlier ones' from the process registry when it starts."""
+
+    def __init__(self, collectors: list):
+        self.collectors = collectors
+
+    def collect(self):
+        families: dict = {}
+        for c in self.collectors:
+            for fam in c.collect():
+                have = families.get(fam.name)
+                if have is None:
+                    families[fam.name] = fam
+                else:
+                    have.samples.extend(fam.samples)
+        return list(families.values())
+
+
+def process_metrics(engine_collectors: list[set]) -> bytes:
+    """The process registry's exposition (vLLM's `vllm:*` series of every loaded engine, and
+    prometheus_client's process and GC series), as vLLM's server serves it on /metrics."""
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+
+    vllm_now = vllm_collectors()
+    ours = [c for group in engine_collectors for c in group]
+    others = [c for c in list(REGISTRY._collector_to_names) if c not in vllm_now and c not in ours]
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Merged(others + ours))
+    return generate_latest(reg)

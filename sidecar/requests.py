@@ -19,6 +19,17 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     n: int = 1
     ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+    """None: no log probabilities; N: each generated token's and the N most likely at each position."""
+    structured_output: dict | None = None
+    """vLLM's StructuredOutputsParams as keywords: exactly one of `json` (a schema), `regex`, `choice`."""
     request_id: str = ""
     """Empty: admission assigns one."""
     request_class: str = ""
@@ -47,6 +58,20 @@ class TokenDelta:
     token_ids: list[int]
     index: int = 0
     """Which of the `n` choices these tokens belong to."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of `token_ids` when the request asked for log probabilities."""
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log probability and the most likely tokens at its position."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+    """(token id, text, log probability), most likely first."""
 
 
 @dataclass

@@ -123,3 +123,101 @@ def make_pool():
         return pool
 
     return make
+
+
+# -- vLLM's serving layer on a fake engine (the HTTP front's unit tests) ---------------------------
+
+TINY_MODEL = "tiny-llama-small"
+
+
+class FakeVllmAsyncLLM(FakeAsyncLLM):
+    """A FakeAsyncLLM that vLLM's own serving layer can drive: the real VllmConfig, ModelConfig and
+    renderer of a local checkpoint (no engine process), and vLLM's RequestOutputs from
+    `generate`, honouring the SamplingParams' n, max_tokens and output kind. Each step is one
+    token of `reply` (in the model's own tokenizer); `fail_at`, when set, raises at that step."""
+
+    def __init__(self, vllm_config, renderer):
+        super().__init__()
+        self.vllm_config, self.model_config, self.renderer = vllm_config, vllm_config.model_config, renderer
+        self.input_processor = None
+        self.errored = False
+        self.requests: list[tuple[str, object, int]] = []
+        """(request id, SamplingParams, priority) of each generate call."""
+        self.reply_ids = renderer.tokenizer.encode("Hello world!", add_special_tokens=False)
+
+    async def generate(self, prompt, params, request_id: str, priority: int = 0, **kwargs):
+        from vllm.outputs import CompletionOutput, RequestOutput
+        from vllm.sampling_params import RequestOutputKind
+
+        self.priorities.append(priority)
+        self.requests.append((request_id, params, priority))
+        self.unfinished.add(request_id)
+        tok = self.renderer.tokenizer
+        prompt_ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else []
+        steps = self.reply_ids[: params.max_tokens or len(self.reply_ids)]
+        made: dict[int, list[int]] = {i: [] for i in range(params.n)}
+        try:
+            for step, tid in enumerate(steps):
+                if self.fail_after is not None and step >= self.fail_after:
+                    raise RuntimeError("the fake engine died")
+                last = step == len(steps) - 1
+                reason = ("length" if len(steps) < len(self.reply_ids) else "stop") if last else None
+                outs = []
+                for i in range(params.n):
+                    made[i].append(tid)
+                    ids = [tid] if params.output_kind == RequestOutputKind.DELTA else list(made[i])
+                    outs.append(CompletionOutput(index=i, text=tok.decode(ids), token_ids=ids, cumulative_logprob=None,
+                                                 logprobs=None, finish_reason=reason))
+                if last:
+                    self.unfinished.discard(request_id)
+                if params.output_kind != RequestOutputKind.FINAL_ONLY or last:
+                    yield RequestOutput(request_id, None, prompt_ids, None, outs, last)
+                if step == 0 and self.gate is not None:
+                    await self.gate.wait()
+        finally:
+            self.unfinished.discard(request_id)
+
+
+_VLLM_CONFIG = {}
+
+
+def vllm_config_of(name: str = TINY_MODEL):
+    """The real VllmConfig and renderer of a local checkpoint (built by the e2e conftest / infermesh.models)."""
+    if name not in _VLLM_CONFIG:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.renderers import renderer_from_config
+
+        from infermesh import models
+
+        path = str(models.model_path(name))
+        if not models.is_built(models.LOCAL_MODELS[name]):
+            pytest.skip(f"local model {name} is not built (python -m infermesh.models)")
+        cfg = AsyncEngineArgs(model=path, served_model_name=[name], max_model_len=1024, enforce_eager=True,
+                              kv_cache_memory_bytes=12 << 20).create_engine_config()
+        _VLLM_CONFIG[name] = (cfg, renderer_from_config(cfg), path)
+    return _VLLM_CONFIG[name]
+
+
+class FakeVllmModelEngine(ModelEngine):
+    """A ModelEngine on a FakeVllmAsyncLLM (its model's real config and tokenizer)."""
+
+    def start(self) -> None:
+        cfg, renderer, _ = vllm_config_of()
+        self.engine = FakeVllmAsyncLLM(cfg, renderer)
+        self.tokenizer = renderer.tokenizer
+
+
+@pytest.fixture
+def make_vllm_pool():
+    """make_vllm_pool(config) -> a Pool whose engines are FakeVllmAsyncLLMs (every model loaded)."""
+
+    def make(config: SidecarConfig | dict) -> Pool:
+        if isinstance(config, dict):
+            config = SidecarConfig.model_validate(config)
+        pool = Pool(config, make_engine=FakeVllmModelEngine)
+        for m in pool.ladder:
+            m.start()
+        pool.readings = Readings({}, pool.faults)
+        return pool
+
+    return make

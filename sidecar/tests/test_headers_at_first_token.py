@@ -33,8 +33,8 @@ def _hold_first_token(llm) -> asyncio.Event:
     return opened
 
 
-def test_an_error_before_the_first_token_is_a_real_status(make_pool):
-    pool = make_pool(CONFIG)
+def test_an_error_before_the_first_token_is_a_real_status(make_vllm_pool):
+    pool = make_vllm_pool(CONFIG)
     pool.primary.engine.fail_after = 0
     r = TestClient(build_app(pool)).post("/v1/chat/completions", json=CHAT)
     assert r.status_code >= 500, r.text
@@ -42,8 +42,8 @@ def test_an_error_before_the_first_token_is_a_real_status(make_pool):
     assert pool.inflight == 0
 
 
-def test_a_stream_still_begins_with_its_first_token(make_pool):
-    pool = make_pool(CONFIG)
+def test_a_stream_still_begins_with_its_first_token(make_vllm_pool):
+    pool = make_vllm_pool(CONFIG)
     with TestClient(build_app(pool)).stream("POST", "/v1/chat/completions", json=CHAT) as r:
         assert r.status_code == 200
         lines = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
@@ -78,8 +78,8 @@ async def _asgi(app, body: bytes, disconnect_after: float | None, opened: asynci
     return sent
 
 
-def test_headers_wait_for_the_first_token(make_pool):
-    pool = make_pool(CONFIG)
+def test_headers_wait_for_the_first_token(make_vllm_pool):
+    pool = make_vllm_pool(CONFIG)
     opened = _hold_first_token(pool.primary.engine)
     sent = asyncio.run(_asgi(build_app(pool), json.dumps(CHAT).encode(), None, opened, open_after=0.3))
     start = next(t for t, m in sent if m["type"] == "http.response.start")
@@ -87,8 +87,8 @@ def test_headers_wait_for_the_first_token(make_pool):
     assert pool.inflight == 0
 
 
-def test_a_client_gone_before_the_first_token_aborts_the_generation(make_pool):
-    pool = make_pool(CONFIG)
+def test_a_client_gone_before_the_first_token_aborts_the_generation(make_vllm_pool):
+    pool = make_vllm_pool(CONFIG)
     llm = pool.primary.engine
     _hold_first_token(llm)  # never opened: a stalled engine
     sent = asyncio.run(_asgi(build_app(pool), json.dumps(CHAT).encode(), disconnect_after=0.2))
@@ -127,8 +127,8 @@ def test_grpc_initial_metadata_waits_for_the_first_message(make_pool, first_afte
     assert waited >= first_after, f"initial metadata came {waited:.3f}s in, before the first message"
 
 
-def test_no_first_token_within_the_give_up_limit_is_a_504_and_an_abort(make_pool):
-    pool = make_pool(CONFIG)
+def test_no_first_token_within_the_give_up_limit_is_a_504_and_an_abort(make_vllm_pool):
+    pool = make_vllm_pool(CONFIG)
     llm = pool.primary.engine
     _hold_first_token(llm)  # a stalled engine
     r = TestClient(build_app(pool)).post("/v1/chat/completions", json=CHAT, headers={"x-infermesh-ttft-give-up-ms": "200"})
@@ -138,8 +138,8 @@ def test_no_first_token_within_the_give_up_limit_is_a_504_and_an_abort(make_pool
     assert len(llm.aborted) == 1 and not llm.unfinished and pool.inflight == 0
 
 
-def test_a_first_token_in_time_streams_as_usual(make_pool):
-    pool = make_pool(CONFIG)
+def test_a_first_token_in_time_streams_as_usual(make_vllm_pool):
+    pool = make_vllm_pool(CONFIG)
     r = TestClient(build_app(pool)).post("/v1/chat/completions", json=CHAT, headers={"x-infermesh-ttft-give-up-ms": "5000"})
     assert r.status_code == 200 and "data: [DONE]" in r.text
 

@@ -54,8 +54,8 @@ def test_the_header_is_envoys_text_form():
     assert float(m["num"]) == 1.0
 
 
-def test_every_generation_response_carries_a_report(make_pool):
-    pool = make_pool(SidecarConfig.model_validate({"pool": "p", "models": [{"name": "m", "path": "/x", "max_num_seqs": 4}]}))
+def test_every_generation_response_carries_a_report(make_vllm_pool):
+    pool = make_vllm_pool(SidecarConfig.model_validate({"pool": "p", "models": [{"name": "m", "path": "/x", "max_num_seqs": 4}]}))
     c = TestClient(build_app(pool))
     for stream in (False, True):
         r = c.post("/v1/completions", json={"prompt": "x", "stream": stream})
