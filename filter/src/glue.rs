@@ -197,7 +197,7 @@ fn probe_key(pool: &str) -> String {
     format!("infermesh.probe.{pool}")
 }
 
-/// A worker reuses its view of a pool's state this long before reading shared data again (the
+/// A worker reuses its view of a normal pool this long before reading shared data again (the
 /// request path then costs no shared-data read; well inside the 1 s target).
 const VIEW_MS: u64 = 100;
 /// A worker rewrites an unchanged reading of a replica at most this often: fresh enough for the
@@ -236,8 +236,10 @@ impl PoolStates {
             None => return false,
         };
         if let Some((at, d)) = self.view.borrow().get(pool) {
-            if now.saturating_sub(*at) < VIEW_MS {
-                return *d;
+            // Only a normal view is reused: a degraded one is read again on every request, so a
+            // recovery reaches every worker at once, not up to VIEW_MS later on another worker.
+            if !*d && now.saturating_sub(*at) < VIEW_MS {
+                return false;
             }
         }
         let degraded = Self::read(metrics, pool).0.degraded(&p.rule, now);
