@@ -205,6 +205,7 @@ def build_app(pool: Pool) -> FastAPI:
     serving = PoolServing()
     apis: dict[str, Api] = {}
     app = FastAPI(title="infermesh sidecar", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = serving
 
     @app.get("/health")
     async def health() -> Response:

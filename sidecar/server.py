@@ -56,6 +56,13 @@ async def run(config: SidecarConfig) -> int:
             metrics.model_load.labels(m.config.name).set(m.load_seconds)
 
     grpc_server, health_servicer, grpc_port = await start_grpc(pool)
+    # vLLM's serving objects of every loaded model are built before anything says ready: built on
+    # a first request they would block the event loop (tokenizer, templates, renderer warm-up)
+    # just after the pool had reported ready, so the admin API and the first requests stalled.
+    app = build_app(pool)
+    for m in pool.ladder:
+        if m.engine is not None:
+            app.state.serving.of(m)
     # The admin API first: once /health says ready, everything this process serves is up.
     admin = _Uvicorn(
         uvicorn.Config(build_admin_app(pool), host=config.admin.host, port=config.admin.port, log_level="warning",
@@ -69,7 +76,7 @@ async def run(config: SidecarConfig) -> int:
 
     http = _Uvicorn(
         uvicorn.Config(
-            build_app(pool),
+            app,
             host=config.server.host,
             port=config.server.http_port,
             log_level="warning",
