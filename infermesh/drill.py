@@ -682,19 +682,27 @@ def run_remote(names: list[str], policy_path: Path, gateway: str, admins: list[s
         say("; ".join(problems))
         return 2
     mesh = RemoteMesh(SimpleNamespace(policy=policy), gateway.rstrip("/"), urls)
+    reports = _run_scenarios(mesh, names, options, say, lambda name, rep: as_json or print(format_report(rep), flush=True))
+    if reports is None:
+        return 2
+    if as_json:
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+    return 0 if all(r["passed"] for r in reports) else 1
+
+
+def _run_scenarios(mesh, names: list[str], options: DrillOptions, say: Callable[[str], None],
+                   show: Callable[[str, dict], object]) -> list[dict] | None:
+    """Each named drill in turn against `mesh`, `show`n as it ends; None when one could not run."""
     reports = []
     for name in names:
         try:
             rep = asyncio.run(Drill(mesh, options, progress=say).run(SCENARIOS[name]))
         except DrillError as e:
             say(str(e))
-            return 2
+            return None
         reports.append(rep)
-        if not as_json:
-            print(format_report(rep), flush=True)
-    if as_json:
-        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
-    return 0 if all(r["passed"] for r in reports) else 1
+        show(name, rep)
+    return reports
 
 
 def run_cli(names: list[str], policy_path: Path | None, options: DrillOptions, as_json: bool, plot: str | None) -> int:
@@ -731,13 +739,7 @@ def run_cli(names: list[str], policy_path: Path | None, options: DrillOptions, a
         t0 = time.monotonic()
         mesh.start(timeout=600, progress=say)
         say(f"mesh up in {time.monotonic() - t0:.0f}s (logs in {run_dir})")
-        for name in names:
-            try:
-                rep = asyncio.run(Drill(mesh, options, progress=say).run(SCENARIOS[name]))
-            except DrillError as e:
-                say(str(e))
-                return 2
-            reports.append(rep)
+        def show(name: str, rep: dict) -> None:
             if plot:
                 out = plot if len(names) == 1 else str(Path(plot).with_name(f"{Path(plot).stem}-{name}{Path(plot).suffix or '.png'}"))
                 plot_report(rep, out)
@@ -745,6 +747,10 @@ def run_cli(names: list[str], policy_path: Path | None, options: DrillOptions, a
             if not as_json:
                 print(format_report(rep), flush=True)
                 print(flush=True)
+
+        reports = _run_scenarios(mesh, names, options, say, show)
+        if reports is None:
+            return 2
     except LaunchError as e:
         say(f"the mesh failed to start: {e}")
         return 1
