@@ -128,6 +128,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
 async def run(mesh, urls: dict[str, str], opt: Options, say) -> dict:
     report: dict = {"options": opt.__dict__, "deadline_ms": mesh.plan.policy.classes["interactive"].ttft_deadline_ms}
     admin0 = mesh.admin_url("interactive", 0)
+    async def interleaved(label: str, windows: dict[str, list[dict]]) -> None:
+        """Each round measures every set-up once, in alternating order."""
+        for rnd in range(opt.rounds):
+            for setup in SETUPS[rnd % 2:] + SETUPS[:rnd % 2]:
+                w = await window(urls[setup], opt)
+                say(f"{label} round {rnd + 1} {setup}: p99 {1000 * (pct(w['ttfts'], 0.99) or 0):.0f} ms, {w['served_by']}")
+                windows[setup].append(w)
+
     async with httpx.AsyncClient(timeout=10, trust_env=False) as c:
         # Stalled replica 0.
         windows: dict[str, list[dict]] = {s: [] for s in SETUPS}
@@ -135,11 +143,7 @@ async def run(mesh, urls: dict[str, str], opt: Options, say) -> dict:
                         json={"value": 0.95, "duration_s": opt.rounds * 2 * opt.window_s + 120, "period_s": 10})
         r.raise_for_status()
         try:
-            for rnd in range(opt.rounds):
-                for setup in SETUPS[rnd % 2:] + SETUPS[:rnd % 2]:
-                    w = await window(urls[setup], opt)
-                    say(f"stalled round {rnd + 1} {setup}: p99 {1000 * (pct(w['ttfts'], 0.99) or 0):.0f} ms, {w['served_by']}")
-                    windows[setup].append(w)
+            await interleaved("stalled", windows)
         finally:
             await c.delete(admin0 + "/admin/faults/stall")
         report["stalled"] = summarize(windows)
@@ -150,11 +154,7 @@ async def run(mesh, urls: dict[str, str], opt: Options, say) -> dict:
         load = asyncio.create_task(loaded(mesh.sidecar_url("interactive", 0), opt.loaders, stop))
         await asyncio.sleep(3)
         try:
-            for rnd in range(opt.rounds):
-                for setup in SETUPS[rnd % 2:] + SETUPS[:rnd % 2]:
-                    w = await window(urls[setup], opt)
-                    say(f"unequal round {rnd + 1} {setup}: p99 {1000 * (pct(w['ttfts'], 0.99) or 0):.0f} ms, {w['served_by']}")
-                    windows[setup].append(w)
+            await interleaved("unequal", windows)
         finally:
             stop.set()
             await asyncio.wait_for(load, 60)
