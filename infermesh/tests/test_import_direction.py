@@ -89,10 +89,12 @@ def test_the_shared_modules_import_neither():
         assert not within(names, "infermesh.sidecar") | within(names, "infermesh.meshconfig"), name
 
 
-def test_loading_the_policy_loads_no_sidecar_and_no_envoy_code():
+def test_loading_the_policy_loads_no_sidecar_no_envoy_and_no_vllm_code():
+    # The e2e policy names vLLM tool-call parsers: checking them must not import vLLM (and torch),
+    # ~20 s of CPU that a restarting control plane would spend beside the engines.
     code = ("import sys, infermesh.settings, infermesh.logs, infermesh.meshconfig.policy as p; "
-            "p.load_policy(p.LOCAL_POLICY); "
-            "print(sorted(m for m in sys.modules if m.startswith(('infermesh.sidecar', 'envoy', 'grpc'))))")
+            f"p.load_policy(p.LOCAL_POLICY); p.load_policy({str(REPO / 'e2e' / 'policy-e2e.yaml')!r}); "
+            "print(sorted(m for m in sys.modules if m.startswith(('infermesh.sidecar', 'envoy', 'grpc', 'vllm', 'torch'))))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
