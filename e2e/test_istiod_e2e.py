@@ -29,7 +29,15 @@ import yaml
 from charts.tests.helm_render import NAMESPACE, Helm
 from infermesh import paths
 from infermesh.launcher import LocalMesh, _die_with_parent, free_ports, wait_until
-from infermesh.meshconfig.envoy_resources import POOL_LIMITS, Routing, circuit_breakers, outlier_detection
+from infermesh.meshconfig.envoy_resources import (
+    ORCA_HEADER,
+    POOL_LIMITS,
+    TTFT_GIVE_UP_HEADER,
+    WEIGHTED_ROUND_ROBIN,
+    Routing,
+    circuit_breakers,
+    outlier_detection,
+)
 from infermesh.meshconfig.envoy_resources import native_match as nat
 from infermesh.meshconfig.policy import parse_policy
 from infermesh.meshconfig.xds_server import xds_bootstrap
@@ -214,6 +222,13 @@ class Form:
     kind: str  # the filter object the chart must render
     body_rules: bool
     native: bool  # header rules decided by the routes, the filter off on them
+    deadline_ms: int | None = None  # the interactive class's ttft_deadline_ms (it hedges)
+    replicas: int = 1  # the interactive pool's replicas
+
+    def __post_init__(self):
+        if self.policy is not None and self.deadline_ms is not None:
+            self.policy["classes"]["interactive"]["ttft_deadline_ms"] = self.deadline_ms
+            self.policy["pools"]["interactive"]["replicas"] = self.replicas
 
 
 FORMS = [
@@ -221,7 +236,10 @@ FORMS = [
     # Trusted sources keep every decision in the filter (only it can tell a trusted peer): no
     # native route, so the chart's WasmPlugin.
     Form("header-rules-wasmplugin", header_only_policy(trusted_cidrs=["10.99.0.0/16"]), "WasmPlugin", body_rules=False, native=False),
-    Form("header-rules-native", header_only_policy(), "EnvoyFilter", body_rules=False, native=True),
+    # With a pool of replicas and a TTFT deadline: the pools' EnvoyFilter hedges its chats. The
+    # deadline is long enough for this machine's one local replica (the hedge it would take goes
+    # back to that replica: istiod sends one endpoint per pool here).
+    Form("header-rules-native", header_only_policy(), "EnvoyFilter", body_rules=False, native=True, deadline_ms=8000, replicas=2),
 ]
 
 
@@ -328,7 +346,7 @@ def test_istiod_applies_the_route_patches(gateway):
     assert set(routes) == {r["name"] for r in vs["spec"]["http"]}, sorted(routes)
     patches = {}
     for o in gateway.objects:
-        if o["kind"] == "EnvoyFilter":
+        if o["kind"] == "EnvoyFilter" and o["metadata"]["name"] == "infermesh-filter":
             for p in o["spec"]["configPatches"]:
                 if p["applyTo"] == "HTTP_ROUTE":
                     patches[p["match"]["routeConfiguration"]["vhost"]["route"]["name"]] = p["patch"]["value"]
@@ -352,9 +370,9 @@ def test_pool_clusters_have_the_policys_limits_and_no_admin_port(gateway, local_
     dump = gateway.config_dump()
     clusters = pool_clusters(dump)
     assert len(clusters) == 2 * len(local_mesh.plan.pools), sorted(clusters)
-    # A DestinationRule has no retry budget (Istio's connectionPool knows maxRetries only), so the
-    # chart cannot carry the plain-Envoy clusters' budget: docs/replicas.md lists it under Istio.
-    want_breakers = {k: v for k, v in circuit_breakers(POOL_LIMITS)["thresholds"][0].items() if k != "retry_budget"}
+    # The retry budget too: a DestinationRule has none, the pools' EnvoyFilter replaces istiod's
+    # threshold with one that has it (Envoy reads only the first threshold of a priority).
+    want_breakers = circuit_breakers(POOL_LIMITS)["thresholds"][0]
     want_outlier = outlier_detection(POOL_LIMITS)
     # Envoy's JSON leaves out fields at their default: the DEFAULT priority, 100 % enforcement.
     defaults = {"priority": "DEFAULT", "enforcing_consecutive_local_origin_failure": 100, "enforcing_consecutive_gateway_failure": 0}
@@ -373,6 +391,60 @@ def test_pool_clusters_have_the_policys_limits_and_no_admin_port(gateway, local_
     assert not ports & ({p.admin_port for p in local_mesh.plan.pools} | {p.admin_grpc_port for p in local_mesh.plan.pools})
 
 
+def _seconds(d: str) -> float:
+    return float(d.removesuffix("s"))
+
+
+def test_istiod_applies_the_pools_envoy_filter(gateway):
+    """What a DestinationRule and a VirtualService cannot say, as istiod emits it after the pools'
+    EnvoyFilter: every pool cluster balances by the replicas' ORCA reports (client-side weighted
+    round robin, our tuning), every route strips the load report toward clients and leaves a
+    priority only after each replica had an attempt; the chat routes of a class with a deadline
+    have it as their per-try timeout, hedge past it, and tell the sidecar when to give up."""
+    dump = gateway.config_dump()
+    want_lb = WEIGHTED_ROUND_ROBIN.policy()["policies"][0]["typed_extension_config"]
+    for name, c in pool_clusters(dump).items():
+        (policy,) = c["load_balancing_policy"]["policies"]
+        got = policy["typed_extension_config"]
+        assert got["name"] == want_lb["name"], (name, got)
+        cfg, want = got["typed_config"], want_lb["typed_config"]
+        assert cfg["@type"] == want["@type"], (name, cfg)
+        for k in ("blackout_period", "weight_update_period", "weight_expiration_period"):
+            assert _seconds(cfg[k]) == _seconds(want[k]), (name, k, cfg)
+        assert cfg.get("error_utilization_penalty", 1.0) == want["error_utilization_penalty"], (name, cfg)
+    stats = httpx.get(f"http://127.0.0.1:{gateway.admin_port}/stats?filter=update_rejected", timeout=5).text
+    assert all(line.endswith(": 0") for line in stats.strip().splitlines()), stats  # Envoy took every patched CDS/RDS update
+
+    policy = parse_policy(yaml.safe_dump(gateway.form.policy or yaml.safe_load(DEFAULT_POLICY.read_text())))
+    routes = {r["name"]: r for r in gateway_routes(dump)}
+    for name, r in routes.items():
+        assert ORCA_HEADER in r.get("response_headers_to_remove", []), (name, r)
+        pool = next(p for p in policy.pools if f"||infermesh-{p}." in r["route"]["cluster"])
+        rp = r["route"]["retry_policy"]
+        assert rp["retry_priority"]["typed_config"]["update_frequency"] == policy.pools[pool].replicas, (name, rp)
+        assert int(rp["host_selection_retry_max_attempts"]) == 50, (name, rp)
+        # One previous_hosts predicate: Istio's, or the patch's where Istio emitted no policy.
+        assert [p["name"] for p in rp["retry_host_predicate"]] == ["envoy.retry_host_predicates.previous_hosts"], (name, rp)
+    deadline = policy.classes["interactive"].ttft_deadline_ms
+    # The filter decides chats (interactive may spill): it sets the class, the route is re-chosen.
+    chat = sorted(n for n in routes if n.startswith("class-interactive-pool-interactive"))
+    if deadline is None:
+        assert all("hedge_policy" not in r["route"] and "per_try_timeout" not in r["route"]["retry_policy"] for r in routes.values())
+        return
+    assert chat == ["class-interactive-pool-interactive", "class-interactive-pool-interactive-grpc"], sorted(routes)
+    retries = max(2, policy.pools["interactive"].replicas - 1)  # no failover priority in Istio
+    for name in chat:
+        r = routes[name]
+        rp = r["route"]["retry_policy"]
+        assert _seconds(rp["per_try_timeout"]) == deadline / 1000, (name, rp)
+        assert rp["num_retries"] == retries, (name, rp)
+        assert r["route"]["hedge_policy"] == {"hedge_on_per_try_timeout": True}, (name, r["route"])
+        give_up = {h["header"]["key"]: h["header"]["value"] for h in r.get("request_headers_to_add", [])}
+        assert give_up.get(TTFT_GIVE_UP_HEADER) == str(deadline * (retries + 1)), (name, r.get("request_headers_to_add"))
+    print(f"[istiod] chat routes {sorted(chat)}: per-try timeout {deadline} ms, hedged, {retries} retries; "
+          f"{len(pool_clusters(dump))} pool clusters on client-side weighted round robin")
+
+
 # -- real requests -----------------------------------------------------------------------------------
 
 
@@ -386,6 +458,7 @@ def test_chat_streams_from_the_interactive_pool(gateway):
     raw = client.chat.completions.with_raw_response.create(model="tiny-llama", messages=CHAT, stream=True, max_tokens=8)
     pieces = [ch.delta.content for chunk in raw.parse() for ch in chunk.choices if ch.delta.content]
     assert raw.headers["x-infermesh-served-by"] == "interactive/0"
+    assert ORCA_HEADER not in raw.headers  # the sidecar's load report is the gateway's alone
     assert len(pieces) >= 2
 
 

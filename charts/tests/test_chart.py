@@ -96,6 +96,7 @@ def istio_options(values: dict) -> istio.IstioOptions:
         filter_namespace=f["namespace"], filter_selector=f["selector"] or {"istio": "ingress"}, attach_to=f["attachTo"],
         gateways=(f"{NAMESPACE}/{RELEASE}",) if ingress["enabled"] else (), hosts=tuple(ingress["hosts"]),
         image_pull_policy=f["imagePullPolicy"], image_pull_secret=f["imagePullSecret"], traffic_policy=values["trafficPolicy"],
+        retry_budget=values["retryBudget"],
     )
 
 
@@ -232,13 +233,14 @@ def test_gpu_pools_get_their_gpus_nodes_and_tolerations(helm):
 
 def test_filter_form_follows_the_rules(helm):
     # The local policy has a body rule (chat-bulk): the EnvoyFilter form, in the gateway.
-    ef = helm.template(SCENARIOS["default"]).one("EnvoyFilter")
+    ef = helm.template(SCENARIOS["default"]).one("EnvoyFilter", f"{RELEASE}-filter")
     assert ef["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]["config"]["allow_on_headers_stop_iteration"] is True
     # Header-only rules decided natively: an EnvoyFilter too (it names the filter the routes turn off).
-    assert helm.template(SCENARIOS["native-header-only"]).of("EnvoyFilter")
+    assert helm.template(SCENARIOS["native-header-only"]).one("EnvoyFilter", f"{RELEASE}-filter")
     # Header-only rules with a trusted source: the filter decides every request, as a WasmPlugin.
     header_only = helm.template(SCENARIOS["header-only"])
-    assert not header_only.of("EnvoyFilter")
+    # (The pools' EnvoyFilter is in every form: test_pools_envoy_filter_says_what_istio_cannot.)
+    assert [o["metadata"]["name"] for o in header_only.of("EnvoyFilter")] == [f"{RELEASE}-pools"]
     wp = header_only.one("WasmPlugin")
     assert wp["metadata"]["namespace"] == "apps" and wp["spec"]["match"] == [{"mode": "CLIENT"}]
     # The given labels replace the default ones (a default in values.yaml would be merged in).
@@ -502,7 +504,7 @@ def test_the_charts_routes_decide_every_request_as_the_plain_envoy_routes(helm, 
     plain_config = hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"]
 
     chain = f"{values['filter']['namespace']}.{RELEASE}-filter"
-    (ef,) = rendered.of("EnvoyFilter") or [None]
+    (ef,) = [o for o in rendered.of("EnvoyFilter") if o["metadata"]["name"] == f"{RELEASE}-filter"] or [None]
     patches = ef["spec"]["configPatches"] if ef else []
     filter_off = {p["match"]["routeConfiguration"]["vhost"]["route"]["name"] for p in patches
                   if p["applyTo"] == "HTTP_ROUTE" and p["patch"]["value"].get("typed_per_filter_config", {}).get(chain, {}).get("disabled")}

@@ -133,6 +133,8 @@ def chart_schema(policy: dict) -> dict:
                     "maxEjectionPercent": {"type": "integer", "minimum": 0, "maximum": 100},
                 }),
             }),
+            "retryBudget": {"type": "boolean", "description": "the pool clusters' retry budget (an EnvoyFilter MERGE_AND_REPLACE_LIST "
+                                                              "patch: recent Istio only); false: trafficPolicy's maxRetries"},
             "security": obj({
                 "peerAuthentication": {"type": "boolean", "description": "STRICT mTLS for the pools"},
                 "allowedPrincipals": {"type": "array", "items": {"type": "string", "pattern": "^[^/]+/ns/[^/]+/sa/[^/]+$"},

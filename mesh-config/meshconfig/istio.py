@@ -4,7 +4,10 @@ vocabulary.
     per pool      a Service (OpenAI HTTP front + gRPC) and a DestinationRule
     once          a front Service clients address, a VirtualService (and one for the ingress
                   gateways), and the filter: an EnvoyFilter when a rule reads the body or native
-                  header rules decide some requests, a WasmPlugin otherwise
+                  header rules decide some requests, a WasmPlugin otherwise; and the pools'
+                  EnvoyFilter (`NAME-pools`): what a DestinationRule and a VirtualService cannot
+                  say about many replicas (client-side weighted round robin on the replicas' ORCA
+                  reports, the retry budget, hedging past a TTFT deadline; docs/replicas.md)
 
     infermesh policy render POLICY istio --wasm-url oci://… --wasm-sha256 HEX | kubectl apply -f -
 
@@ -32,15 +35,17 @@ import yaml
 
 from .envoy_resources import (
     GRPC_CONTENT_TYPE,
+    ORCA_HEADER,
     POOL_LIMITS,
+    WEIGHTED_ROUND_ROBIN,
     REQUEST_BUFFER_LIMIT_BYTES,
     STRIP_CLIENT_HEADERS,
-    TTFT_GIVE_UP_HEADER,
     WASM_FILTER,
     WASM_OFF,
     MeshListener,
     PoolEndpoint,
     Routing,
+    circuit_breakers,
     cluster_name,
     local_code,
     remote_code,
@@ -100,6 +105,10 @@ class IstioOptions:
     traffic_policy: dict = field(default_factory=dict)
     """Overrides of the pools' DestinationRule trafficPolicy, merged key by key over the model's
     (the chart's values `trafficPolicy`)."""
+    retry_budget: bool = True
+    """Give the pool clusters the plain-Envoy retry budget (the chart's values `retryBudget`): a
+    CLUSTER patch with MERGE_AND_REPLACE_LIST, which Istio's EnvoyFilter API has only in recent
+    versions (the pinned 1.31 line has it); off, the clusters keep the fixed `maxRetries`."""
 
     def fqdn(self, service: str) -> str:
         return f"{service}.{self.namespace}.svc.{self.cluster_domain}"
@@ -139,11 +148,14 @@ def check(policy: Policy, opts: IstioOptions) -> None:
 
 def envoy_form(policy: Policy) -> MeshListener:
     """The plain-Envoy listener whose routes the VirtualService translates. Hosts, ports and the
-    module path are placeholders: only the route table's shape is read."""
+    module path are placeholders: only the route table's shape is read. No failover pool stands
+    behind a pool at priority 1: a DestinationRule cannot add another Service's endpoints to a
+    cluster, so hedges go to the pool's other replicas only (docs/replicas.md, "Istio")."""
     return MeshListener(
         listen_host="0.0.0.0", listen_port=0, admin_port=0, wasm_path=Path("infermesh.wasm"),
         filter_config=policy.filter_config(),
-        pools=[PoolEndpoint(p, "0.0.0.0", 1, 2) for p in policy.pools],  # every pool has both fronts here
+        # every pool has both fronts here, and its replicas (they count the attempts of a hedge)
+        pools=[PoolEndpoint.of(name, [("0.0.0.0", 1, 2)] * p.replicas) for name, p in policy.pools.items()],
         default_pool=policy.default_pool,
         routing=Routing.from_policy(policy),
     )
@@ -205,18 +217,34 @@ def _route_part(r: dict, pools: dict[str, tuple[str, bool]]) -> dict | None:
     pool, grpc = pools[r["route"]["cluster"]]
     retry = r["route"]["retry_policy"]
     http: dict[str, Any] = {"name": r["name"], **({"match": [match]} if match else {})}
-    # Not the TTFT give-up limit: a VirtualService cannot hedge (docs/replicas.md, "Istio"), and
-    # without hedging that limit would only be a slower hard deadline.
-    set_headers = {h["header"]["key"]: h["header"]["value"] for h in r.get("request_headers_to_add", [])
-                   if h["header"]["key"] != TTFT_GIVE_UP_HEADER}
-    if set_headers:
-        http["headers"] = {"request": {"set": set_headers}}
+    set_headers = {h["header"]["key"]: h["header"]["value"] for h in r.get("request_headers_to_add", [])}
+    # The replicas' load reports are Envoy's alone (the plain-Envoy route table removes them on
+    # its virtual host; the router reads them before either removal).
+    http["headers"] = {**({"request": {"set": set_headers}} if set_headers else {}), "response": {"remove": [ORCA_HEADER]}}
     # No route timeout (a streamed completion may run for minutes) is Istio's default; istiod's
     # validation refuses an explicit "0s" (durations must be >= 1ms), so the field stays out.
     if r["route"]["timeout"] != "0s":
         http["timeout"] = r["route"]["timeout"]
-    http["retries"] = {"attempts": retry["num_retries"], "retryOn": retry["retry_on"]}
-    return {"pool": pool, "grpc": grpc, "wasm": WASM_FILTER not in r.get("typed_per_filter_config", {}), "http": http}
+    http["retries"] = {"attempts": retry["num_retries"]}
+    if retry["num_retries"]:  # attempts 0: Istio emits no retry policy at all (the patch adds it)
+        http["retries"] |= {"retryOn": retry["retry_on"], **({"perTryTimeout": retry["per_try_timeout"]} if "per_try_timeout" in retry else {})}
+    return {"pool": pool, "grpc": grpc, "wasm": WASM_FILTER not in r.get("typed_per_filter_config", {}), "http": http,
+            "envoyRoute": envoy_route_patch(r["route"])}
+
+
+def envoy_route_patch(action: dict) -> dict:
+    """What the VirtualService cannot say of a route's retries, as an HTTP_ROUTE MERGE: the
+    whole plain-Envoy retry policy (previous_priorities with its update frequency, the host
+    selection attempts, the back-off's maximum; with a deadline the per-try timeout even where
+    Istio drops the policy, at 0 attempts) and the hedge policy. Not the previous_hosts predicate
+    where Istio emits its own (any attempts): a MERGE appends lists, and one is enough."""
+    retry = copy.deepcopy(action["retry_policy"])
+    if retry["num_retries"]:
+        del retry["retry_host_predicate"]
+    out: dict[str, Any] = {"retry_policy": retry}
+    if "hedge_policy" in action:
+        out["hedge_policy"] = copy.deepcopy(action["hedge_policy"])
+    return {"route": out}
 
 
 def route_parts(policy: Policy) -> list[dict]:
@@ -271,10 +299,13 @@ def chart_parts(policy: Policy) -> dict:
         filter        form (EnvoyFilter | WasmPlugin), the Wasm filter config without the
                       module's URL and digest and without a failure policy, the HCM patch that
                       strips client x-infermesh-* headers before routing (native rules only)
-        routes        the VirtualService's routes: {pool, grpc, wasm (the filter runs), http}
+        routes        the VirtualService's routes: {pool, grpc, wasm (the filter runs), http,
+                      envoyRoute (the pools' EnvoyFilter's HTTP_ROUTE patch: retries, hedging)}
         routeSettings what every route gets in the EnvoyFilter form (the body buffer)
         wasmOff       the per-route config that turns the filter off
         trafficPolicy the DestinationRules' connection limits and outlier detection
+        poolCluster   the pools' EnvoyFilter's CLUSTER patch: the load-balancing policy
+        retryBudget   the plain-Envoy clusters' retry budget (a circuit-breaker threshold's)
     """
     m = envoy_form(policy)
     native = uses_native_rules(m)
@@ -299,6 +330,8 @@ def chart_parts(policy: Policy) -> dict:
         "routeSettings": {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES} if policy.needs_body else {},
         "wasmOff": copy.deepcopy(WASM_OFF[WASM_FILTER]),
         "trafficPolicy": traffic_policy(),
+        "poolCluster": {"load_balancing_policy": WEIGHTED_ROUND_ROBIN.policy()},
+        "retryBudget": circuit_breakers(POOL_LIMITS)["thresholds"][0]["retry_budget"],
     }
 
 
@@ -388,6 +421,41 @@ def http_routes(parts: dict, opts: IstioOptions) -> list[dict]:
         dest = {"destination": {"host": opts.fqdn(pool_service_name(opts, part["pool"])), "port": {"number": port}}}
         out.append(copy.deepcopy(part["http"]) | {"route": [dest]})
     return out
+
+
+def pool_thresholds(parts: dict, opts: IstioOptions) -> list[dict]:
+    """The pool clusters' circuit-breaker thresholds as istiod builds them from the
+    DestinationRule's connectionPool (values overrides included), plus the retry budget: a
+    threshold list replaces Istio's (Envoy reads only the first threshold of a priority)."""
+    pool = _merged(parts["trafficPolicy"], opts.traffic_policy)["connectionPool"]
+    return [{"max_connections": pool["tcp"]["maxConnections"], "max_pending_requests": pool["http"]["http1MaxPendingRequests"],
+             "max_requests": pool["http"]["http2MaxRequests"], "max_retries": pool["http"]["maxRetries"],
+             "retry_budget": copy.deepcopy(parts["retryBudget"]), "track_remaining": True}]
+
+
+def pools_envoy_filter(parts: dict, opts: IstioOptions) -> dict:
+    """The pools' EnvoyFilter, in the proxies that route (the filter's): per pool its clusters'
+    load-balancing policy (client-side weighted round robin on the replicas' ORCA reports: a
+    DestinationRule's loadBalancer has no such choice) and the retry budget (its connectionPool
+    has none); per route the retry and hedge policy the VirtualService cannot say."""
+    context = "GATEWAY" if opts.attach_to == "gateway" else "SIDECAR_OUTBOUND"
+    patches: list[dict] = []
+    for pool in parts["pools"]:
+        match = {"context": context, "cluster": {"service": opts.fqdn(pool_service_name(opts, pool))}}
+        patches.append({"applyTo": "CLUSTER", "match": match, "patch": {"operation": "MERGE", "value": copy.deepcopy(parts["poolCluster"])}})
+        if opts.retry_budget:
+            patches.append({"applyTo": "CLUSTER", "match": copy.deepcopy(match), "patch": {
+                "operation": "MERGE_AND_REPLACE_LIST", "value": {"circuit_breakers": {"thresholds": pool_thresholds(parts, opts)}}}})
+    for route in parts["routes"]:
+        patches.append({"applyTo": "HTTP_ROUTE",
+                        "match": {"context": context, "routeConfiguration": {"vhost": {"route": {"name": route["http"]["name"]}}}},
+                        "patch": {"operation": "MERGE", "value": copy.deepcopy(route["envoyRoute"])}})
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": _meta(f"{opts.name}-pools", opts.filter_namespace, opts),
+        "spec": {"workloadSelector": {"labels": dict(opts.filter_selector)}, "configPatches": patches},
+    }
 
 
 def virtual_services(parts: dict, opts: IstioOptions) -> list[dict]:
@@ -543,10 +611,12 @@ def filter_object(parts: dict, opts: IstioOptions) -> dict:
 
 
 def resources(policy: Policy, opts: IstioOptions) -> list[dict]:
-    """Every object, in a stable order: Services, DestinationRules, VirtualServices, the filter."""
+    """Every object, in a stable order: Services, DestinationRules, VirtualServices, the filter,
+    the pools' EnvoyFilter."""
     check(policy, opts)
     parts = chart_parts(policy)
-    return [*services(parts, opts), *destination_rules(parts, opts), *virtual_services(parts, opts), filter_object(parts, opts)]
+    return [*services(parts, opts), *destination_rules(parts, opts), *virtual_services(parts, opts), filter_object(parts, opts),
+            pools_envoy_filter(parts, opts)]
 
 
 def module_sha256(path: Path) -> str:

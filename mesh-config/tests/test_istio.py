@@ -4,7 +4,6 @@ errors that name the field. (charts/tests checks that the Helm chart renders exa
 objects, and that their routes decide a request matrix as the plain-Envoy routes do.)"""
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -87,7 +86,8 @@ def test_native_rules_strip_client_headers_before_routing_and_turn_the_filter_of
     # One method, matched case-insensitively as the filter does (Istio has no ignore_case).
     chat = next(r for r in istio.http_routes(parts, OPTS) if r["name"] == "rule-chat")
     assert chat["match"] == [{"uri": {"prefix": "/v1/chat/completions"}, "method": {"regex": "[Pp][Oo][Ss][Tt]"}}]
-    assert chat["headers"] == {"request": {"set": {"x-infermesh-class": "chat", "x-infermesh-pool": "fast", "x-infermesh-rule": "chat"}}}
+    assert chat["headers"] == {"request": {"set": {"x-infermesh-class": "chat", "x-infermesh-pool": "fast", "x-infermesh-rule": "chat"}},
+                               "response": {"remove": ["endpoint-load-metrics"]}}
 
 
 def test_a_match_istio_cannot_say_hands_the_rest_to_the_filter():
@@ -218,7 +218,7 @@ def test_an_unpinned_or_schemeless_module_is_refused(opts, field):
 
 
 @pytest.mark.parametrize("policy", [load_policy(PRODUCTION), load_policy(LOCAL_POLICY)], ids=["body-buffer", "native-rules"])
-def test_real_envoy_accepts_the_envoy_filters_patches(tmp_path, policy):
+def test_real_envoy_accepts_the_envoy_filters_patches(tmp_path, policy, envoy_accepts):
     """The EnvoyFilter's patch values are free-form to Istio's schema; Envoy itself checks them.
 
     As the Istio agent does, the remote code becomes a local file; the extension config is then
@@ -242,14 +242,7 @@ def test_real_envoy_accepts_the_envoy_filters_patches(tmp_path, policy):
     }
     for merge in hcm_patches:
         hcm |= {k: v for k, v in merge.items() if k != "@type"}
-    cfg = {"static_resources": {"listeners": [{
-        "name": "l", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
-        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]}]}}
-    path = tmp_path / "envoy.json"
-    path.write_text(json.dumps(cfg))
-    r = subprocess.run([str(paths.envoy_binary()), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    envoy_accepts(hcm)
 
 
 def test_render_yaml_is_every_object_once(tmp_path):
@@ -257,7 +250,7 @@ def test_render_yaml_is_every_object_once(tmp_path):
 
     docs = list(yaml.safe_load_all(istio.render_yaml(load_policy(PRODUCTION), OPTS)))
     kinds = [d["kind"] for d in docs]
-    assert kinds == ["Service"] * 3 + ["DestinationRule"] * 2 + ["VirtualService", "EnvoyFilter"]
+    assert kinds == ["Service"] * 3 + ["DestinationRule"] * 2 + ["VirtualService", "EnvoyFilter", "EnvoyFilter"]
     wasm = tmp_path / "f.wasm"
     wasm.write_bytes(b"\0asm")
     assert istio.module_sha256(wasm) == "cd5d4935a48c0672cb06407bb443bc0087aff947c6b864bac886982c73b3027f"

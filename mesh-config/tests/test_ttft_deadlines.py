@@ -132,11 +132,14 @@ def test_real_envoy_validates_deadlines_hedging_and_the_retry_budget(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_istio_routes_carry_no_deadline_they_cannot_hedge(tmp_path):
+def test_istio_routes_carry_the_give_up_limit_only_where_their_patch_hedges(tmp_path):
+    """Istio hedges through the pools' EnvoyFilter (test_istio_replicas.py): a route with the
+    sidecar's give-up limit has the hedge policy in its patch, and the other way round."""
     from infermesh.meshconfig import istio
 
     parts = istio.route_parts(load_policy(deadline_policy(tmp_path)))
-    assert parts and all(TTFT_GIVE_UP_HEADER not in (p["http"].get("headers") or {}).get("request", {}).get("set", {}) for p in parts)
+    give_up = [TTFT_GIVE_UP_HEADER in (p["http"].get("headers") or {}).get("request", {}).get("set", {}) for p in parts]
+    assert any(give_up) and give_up == ["hedge_policy" in p["envoyRoute"]["route"] for p in parts]
 
 
 def test_a_hedge_finds_another_replica_whatever_the_weights():
