@@ -577,3 +577,29 @@ def test_the_policy_digest_is_the_one_helm_takes(helm, tmp_path):
     assert istio.go_json({"a": [1.0, 1e-05, 0.92, 1e-07, "<&>"]}) == '{"a":[1,0.00001,0.92,1e-7,"\\u003c\\u0026\\u003e"]}'
     rendered = helm.template([policy_values(policy), PIN])
     assert "meta-llama/Llama <8B> & Co, Zürich" in rendered.one("ConfigMap")["data"]["policy.yaml"]
+
+
+def test_pools_envoy_filter_says_what_istio_cannot(helm):
+    """The pools' EnvoyFilter, in every form: per pool weighted round robin and (retryBudget) the
+    threshold with the retry budget, from the DestinationRule's limits with values overrides; per
+    route of the VirtualService its retry/hedge patch. The same as istio.py's for those options."""
+    files = SCENARIOS["production"]
+    for sets, budget, max_connections in (([], True, 4096), (["retryBudget=false"], False, None),
+                                          (["trafficPolicy.connectionPool.tcp.maxConnections=7"], True, 7)):
+        rendered = helm.template(files, sets)
+        ef = rendered.one("EnvoyFilter", f"{RELEASE}-pools")
+        values = merged_values(files)
+        values["retryBudget"] = budget
+        if max_connections == 7:
+            values["trafficPolicy"] = {"connectionPool": {"tcp": {"maxConnections": 7}}}
+        opts = istio_options(values)
+        want = istio.pools_envoy_filter(istio.chart_parts(scenario_policy(values)), opts)
+        assert ef["spec"] == want["spec"], sets
+        patches = ef["spec"]["configPatches"]
+        ops = [p["patch"]["operation"] for p in patches if p["applyTo"] == "CLUSTER"]
+        assert ops == ["MERGE", "MERGE_AND_REPLACE_LIST"] * 2 if budget else ["MERGE"] * 2, (sets, ops)
+        if budget:
+            assert {p["patch"]["value"]["circuit_breakers"]["thresholds"][0]["max_connections"]
+                    for p in patches if p["patch"]["operation"] == "MERGE_AND_REPLACE_LIST"} == {max_connections}
+        routes = [p["match"]["routeConfiguration"]["vhost"]["route"]["name"] for p in patches if p["applyTo"] == "HTTP_ROUTE"]
+        assert routes == [r["name"] for r in rendered.one("VirtualService", RELEASE)["spec"]["http"]]
