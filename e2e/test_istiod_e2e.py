@@ -206,10 +206,15 @@ def start_gateway(istiod_binary: str, form: "Form", objects: list[dict], config:
 DEFAULT_POLICY = REPO / "charts" / "infermesh" / "files" / "default-policy.yaml"
 
 
-def header_only_policy(**filter_settings) -> dict:
-    """The chart's default policy without its body rule (chat-bulk)."""
+def header_only_policy(*, degradable: bool = True, **filter_settings) -> dict:
+    """The chart's default policy without its body rule (chat-bulk); `degradable=False` also
+    without `when_degraded`, so that no class can be spilled or shed and the header rules can be
+    decided by the routes (issue 19 keeps the rules of degradable classes in the filter)."""
     policy = yaml.safe_load(DEFAULT_POLICY.read_text())
     policy["rules"] = [r for r in policy["rules"] if "body" not in r.get("match", {})]
+    if not degradable:
+        for pool in policy["pools"].values():
+            pool.pop("when_degraded", None)
     if filter_settings:
         policy["filter"] = filter_settings
     return policy
@@ -239,7 +244,8 @@ FORMS = [
     # With a pool of replicas and a TTFT deadline: the pools' EnvoyFilter hedges its chats. The
     # deadline is long enough for this machine's one local replica (the hedge it would take goes
     # back to that replica: istiod sends one endpoint per pool here).
-    Form("header-rules-native", header_only_policy(), "EnvoyFilter", body_rules=False, native=True, deadline_ms=8000, replicas=2),
+    Form("header-rules-native", header_only_policy(degradable=False), "EnvoyFilter", body_rules=False, native=True,
+         deadline_ms=8000, replicas=2),
 ]
 
 
@@ -426,12 +432,14 @@ def test_istiod_applies_the_pools_envoy_filter(gateway):
         # One previous_hosts predicate: Istio's, or the patch's where Istio emitted no policy.
         assert [p["name"] for p in rp["retry_host_predicate"]] == ["envoy.retry_host_predicates.previous_hosts"], (name, rp)
     deadline = policy.classes["interactive"].ttft_deadline_ms
-    # The filter decides chats (interactive may spill): it sets the class, the route is re-chosen.
-    chat = sorted(n for n in routes if n.startswith("class-interactive-pool-interactive"))
+    # The interactive class's routes: its pool-and-class route (the filter decided) and, decided
+    # natively, its rules' routes.
+    rules = {f"rule-{r.name}" for r in policy.rules if r.class_ == "interactive"}
+    chat = sorted(n for n in routes if n.startswith("class-interactive-pool-interactive") or n.removesuffix("-grpc") in rules)
     if deadline is None:
         assert all("hedge_policy" not in r["route"] and "per_try_timeout" not in r["route"]["retry_policy"] for r in routes.values())
         return
-    assert chat == ["class-interactive-pool-interactive", "class-interactive-pool-interactive-grpc"], sorted(routes)
+    assert {"class-interactive-pool-interactive", "class-interactive-pool-interactive-grpc"} <= set(chat), sorted(routes)
     retries = max(2, policy.pools["interactive"].replicas - 1)  # no failover priority in Istio
     for name in chat:
         r = routes[name]

@@ -228,6 +228,7 @@ class Drill:
             if not await self.wait_normal(self.opt.recover_timeout_s):
                 raise RuntimeError(f"the pools are not normal before the drill: {[self.latest(p) for p in self.pools]}")
             self.requests.clear()
+            baseline = self.now()
             if self.opt.fault_pool is None:
                 self.fault_pool = scenario.default_pool(self) or self.fault_pool
             await scenario.prepare(self)
@@ -239,7 +240,7 @@ class Drill:
             if extra is not None:
                 loads.append(asyncio.get_running_loop().create_task(extra))
             await asyncio.sleep(self.opt.baseline_s)
-            marks = Marks(inject=self.now(), clear=0.0, end=0.0)
+            marks = Marks(inject=self.now(), clear=0.0, end=0.0, baseline=baseline)
             self.progress(f"{scenario.name}: injecting — {scenario.describe(self)}")
             await scenario.inject(self, marks)
             marks.clear = self.now()

@@ -101,6 +101,8 @@ class Marks:
     end: float
     kill: float | None = None
     """sidecar-kill: the SIGKILL."""
+    baseline: float = 0.0
+    """When the baseline load began: the pools were normal then (start-up states before it are not the baseline's)."""
     extra: dict = field(default_factory=dict)
 
 
@@ -244,7 +246,7 @@ def build_report(scenario: str, summary: str, exp: Expectation, requests: list[R
     # (Requests still in flight when the fault began are judged with the fault: a stream the
     # sidecar-kill cuts was sent in the baseline.)
     base_bad = [r for r in traffic if r.done is not None and r.done < marks.inject and r.outcome != "ok"]
-    base_levels = {s.pool for s in samples if s.t < marks.inject and s.effective_level > 0}
+    base_levels = {s.pool for s in samples if marks.baseline <= s.t < marks.inject and s.effective_level > 0}
     checks.append(("normal service before the fault", not base_bad and not base_levels,
                    f"{len(base_bad)} requests not served normally, pools degraded: {sorted(base_levels) or 'none'}"))
     lost = sum(1 for r in requests if r.outcome == "lost")
