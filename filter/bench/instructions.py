@@ -83,6 +83,16 @@ def _skip(part: str):
     return skip
 
 
+def _no_probes(cfg: dict) -> None:
+    """Degraded routing without the probe clusters: no timer, no callouts (the state table is fed
+    by the responses' level header alone)."""
+    conf = _wasm(cfg)["configuration"]
+    fc = json.loads(conf["value"])
+    for p in fc["degraded_routing"]["pools"].values():
+        p.pop("probe_cluster", None)
+    conf["value"] = json.dumps(fc, separators=(",", ":"), sort_keys=True)
+
+
 # Profile variants: a run_bench variant with one part changed or taken out, to attribute the
 # body path's cost part by part (docs/filter-benchmark.md, "Where the body path's time goes").
 SKIPS = {part: _skip(part) for part in ("none", "no-pause", "no-copy", "no-scan", "no-write")}
@@ -92,6 +102,7 @@ PROFILE = {
     "body-no-buffer-limit": ("body", _no_buffer_limit),
     "body-buffer-filter": ("body", _buffer_filter),
     "body-profile-module": ("body", SKIPS["none"]),
+    "headers-degraded-no-probe": ("headers-degraded", _no_probes),
     **{f"body-{part}": ("body", SKIPS[part]) for part in ("no-pause", "no-copy", "no-scan", "no-write")},
 }
 VARIANTS = rb.VARIANTS + tuple(PROFILE)

@@ -17,7 +17,7 @@ use crate::config::{
     DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, HEADER_SPILLED_FROM,
     INTERNAL_HEADER_PREFIX,
 };
-use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError, Verdict, HEADER_POOL_LEVEL};
+use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError, RecentWrites, Verdict, HEADER_POOL_LEVEL};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
@@ -211,8 +211,8 @@ const CAS_TRIES: usize = 4;
 struct PoolStates {
     /// pool -> (read at, degraded).
     view: RefCell<HashMap<String, (u64, bool)>>,
-    /// (pool, replica) -> (level, written at).
-    written: RefCell<HashMap<(String, String), (u8, u64)>>,
+    /// The readings this worker wrote lately (skipped while unchanged).
+    written: RefCell<RecentWrites>,
 }
 
 impl PoolStates {
@@ -249,6 +249,9 @@ impl PoolStates {
 
     /// One `x-infermesh-pool-level` value, from a response or a probe.
     fn report(&self, cfg: &DegradedRouting, metrics: &Metrics, value: &str, now: u64) {
+        if self.written.borrow().fresh(value, now, REWRITE_MS) {
+            return;
+        }
         let r = match parse_report(value) {
             Ok(r) => r,
             Err(e) => return metrics.state_error(e.into()),
@@ -257,17 +260,11 @@ impl PoolStates {
             Some(p) => p,
             None => return metrics.state_error(StateError::UnknownPool),
         };
-        let key = (r.pool.to_string(), r.replica.to_string());
-        if let Some((level, at)) = self.written.borrow().get(&key) {
-            if *level == r.level && now.saturating_sub(*at) < REWRITE_MS {
-                return;
-            }
-        }
         for _ in 0..CAS_TRIES {
             let (mut rec, cas) = Self::read(metrics, r.pool);
             rec.observe(&p.rule, r.replica, r.level, now);
             if hostcalls::set_shared_data(&state_key(r.pool), Some(&rec.encode()), cas).is_ok() {
-                self.written.borrow_mut().insert(key, (r.level, now));
+                self.written.borrow_mut().wrote(value, &r, now);
                 self.view.borrow_mut().insert(r.pool.to_string(), (now, rec.degraded(&p.rule, now)));
                 return;
             }
@@ -682,12 +679,16 @@ impl HttpContext for Request {
         if cfg!(feature = "bench-noop") {
             return Action::Continue;
         }
-        // The replica's level is for the mesh only: never passed on to the client.
-        if let Some(value) = self.get_http_response_header(HEADER_POOL_LEVEL) {
-            self.set_http_response_header(HEADER_POOL_LEVEL, None);
-            if let Some(d) = self.config.as_ref().and_then(|c| c.degraded.as_ref()) {
-                self.states.report(d, &self.metrics, &value, now_ms());
+        // The replica's level is for the mesh only: never passed on to the client. Without
+        // degraded routing it is only removed (reading it would cost a copy into the VM).
+        match self.config.as_ref().and_then(|c| c.degraded.as_ref()) {
+            Some(d) => {
+                if let Some(value) = self.get_http_response_header(HEADER_POOL_LEVEL) {
+                    self.set_http_response_header(HEADER_POOL_LEVEL, None);
+                    self.states.report(d, &self.metrics, &value, now_ms());
+                }
             }
+            None => self.set_http_response_header(HEADER_POOL_LEVEL, None),
         }
         Action::Continue
     }
