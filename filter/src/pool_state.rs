@@ -189,6 +189,34 @@ impl RecentWrites {
     }
 }
 
+/// Which responses a worker reads the level header of: at most one per pool every `every_ms`
+/// (claimed when the request is routed). Reading a header copies it into the VM, which costs as
+/// much as the rest of the state table; under traffic a pool's level is still read within
+/// `every_ms` of a change and, at 100 reads a second per worker, a pool of 64 replicas keeps
+/// every replica's reading well inside the staleness bound. Unread responses only lose the header.
+#[derive(Debug, Default)]
+pub struct ResponseSampler {
+    last: std::collections::HashMap<String, u64>,
+}
+
+impl ResponseSampler {
+    /// Whether the response to a request routed to `pool` at `now` is read; if so, it claims the slot.
+    pub fn due(&mut self, pool: &str, now: u64, every_ms: u64) -> bool {
+        match self.last.get_mut(pool) {
+            // A clock that went back is due at once rather than stuck until it catches up.
+            Some(at) if now >= *at && now - *at < every_ms => false,
+            Some(at) => {
+                *at = now;
+                true
+            }
+            None => {
+                self.last.insert(pool.to_string(), now);
+                true
+            }
+        }
+    }
+}
+
 /// What `when_degraded` does to one request, given which pools are degraded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict<'a> {
@@ -348,6 +376,20 @@ mod tests {
             w.wrote(&v, &parse_report(&v).unwrap(), 2000);
         }
         assert!(w.at.len() <= MAX_RECENT, "bounded: {}", w.at.len());
+    }
+
+    #[test]
+    fn one_response_per_pool_and_interval_is_read() {
+        let mut s = ResponseSampler::default();
+        assert!(s.due("gpu", 1000, 10), "the first response of a pool");
+        assert!(!s.due("gpu", 1000, 10));
+        assert!(!s.due("gpu", 1009, 10));
+        assert!(s.due("cheap", 1009, 10), "each pool has its own slot");
+        assert!(s.due("gpu", 1010, 10), "the next interval");
+        assert!(!s.due("gpu", 1015, 10));
+        assert!(s.due("gpu", 500, 10), "a clock that went back");
+        let reads = (0..1000u64).filter(|i| s.due("gpu", 2000 + i / 10, 10)).count();
+        assert_eq!(reads, 10, "1000 responses over 100 ms: one read per 10 ms");
     }
 
     #[test]
