@@ -18,7 +18,8 @@ def fake_window(scenario, setup, level, rnd, ttfts, client=None, seconds=10.0, *
     return {"scenario": scenario, "setup": setup, "level": level, "round": rnd, "client": client, "seconds": seconds,
             "ttfts": ttfts, "itls": kw.get("itls", []),
             "interactive": kw.get("interactive", {"ok": ok, "degraded": 0, "shed": 0, "failed": 0, "lost": 0}),
-            "batch": kw.get("batch", {}), "batch_tokens": kw.get("batch_tokens", 0), "kv_max": kw.get("kv_max"), "level_max": None}
+            "batch": kw.get("batch", {}), "batch_tokens": kw.get("batch_tokens", 0), "kv_max": kw.get("kv_max"), "level_max": None,
+            "degraded_after_s": kw.get("degraded_after_s"), "level_at_start": kw.get("level_at_start")}
 
 
 def fake_flood(unloaded: dict[str, float], flooded: dict[str, float], rounds: int = 2) -> list[dict]:
@@ -86,6 +87,25 @@ def test_overload_goodput_ratio_needs_zero_lost_and_failed():
     ws[-1]["interactive"]["lost"] = 1
     (t,) = build_report(ws, 1.0, CAL, {})["targets"]
     assert not t["met"] and t["lost"] == 1
+
+
+def test_the_report_says_when_the_ladder_acted_and_which_windows_began_degraded():
+    ws = [fake_window("overload", "infermesh", 6.0, r, [0.5] * 10, degraded_after_s=d, level_at_start=0)
+          for r, d in ((0, 4.2), (1, 6.5), (2, None))]
+    ws += [fake_window("overload", "vllm-serve", 6.0, r, [0.5] * 5) for r in range(3)]
+    ws.append(fake_window("overload", "envoy-rr", 6.0, 0, [0.5] * 5, level_at_start=2))
+    rep = build_report(ws, 1.0, CAL, {})
+    f = rep["scenarios"]["overload"]["figures"]["infermesh"]["6.0"]
+    assert f["degraded_after_s"] == {"median": 5.35, "min": 4.2, "max": 6.5, "rounds": 2}
+    text = format_report(rep)
+    assert "infermesh 6.0/s: 2/3 windows, after 4.2-6.5 s" in text
+    assert "began with the interactive pool still degraded: envoy-rr 6.0/s (level 2)" in text
+
+
+def test_overload_windows_outlast_the_kv_breakers_sustain_and_escalation():
+    # local.yaml's interactive kv-cache breaker: sustain 2 s, escalation 0 s, after a fill of ~2 s.
+    for opt in (BenchOptions(), BenchOptions.quick()):
+        assert opt.overload_window_s >= 4 * (2 + 2)
 
 
 def test_agreement_compares_both_clients_on_the_same_unloaded_chats():
