@@ -120,6 +120,9 @@ class Window:
     level_at_start: int | None = None
     """The interactive pool's level when the window began (0 unless a previous window's
     degradation had not recovered within `Bench.settle`'s timeout)."""
+    cpu: dict = field(default_factory=dict)
+    """Batch flood: each process's CPU during the window (`Bench._cpu_watch`): mean % of one core,
+    and the share of samples it was running on CPU 0 (the interactive pool's engines' core)."""
     vllm_summary: dict = field(default_factory=dict)
     """vllm-bench windows: vLLM's own figures for the window (its goodput and p99s), for comparison."""
 
@@ -307,6 +310,37 @@ class Bench:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.25)
 
+    async def _cpu_watch(self, stop: asyncio.Event, w: Window, extra: dict[str, int]) -> None:
+        """Where the CPU goes during a flood window: the set-ups' processes (a sidecar's children
+        are its vLLM engine cores), Envoy, the flood client and this process (vLLM's client)."""
+        import os
+
+        import psutil
+
+        procs: dict[str, psutil.Process] = {}
+        for c in self.mesh.children:
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(c.proc.pid)
+                procs[c.name] = p
+                for i, k in enumerate(p.children(recursive=True)):
+                    procs[f"{c.name}/engine{i}"] = k
+        for name, pid in {**extra, "bench-client": os.getpid()}.items():
+            with contextlib.suppress(psutil.Error):
+                procs[name] = psutil.Process(pid)
+        acc = {n: [0.0, 0, 0] for n in procs}  # cpu % summed, samples, samples on CPU 0
+        for p in procs.values():
+            with contextlib.suppress(psutil.Error):
+                p.cpu_percent(None)
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+            for n, p in procs.items():
+                with contextlib.suppress(psutil.Error):
+                    acc[n][0] += p.cpu_percent(None)
+                    acc[n][1] += 1
+                    acc[n][2] += p.cpu_num() == 0
+        w.cpu = {n: {"cpu_pct": round(a[0] / a[1], 1), "on_cpu0": round(a[2] / a[1], 2)} for n, a in acc.items() if a[1]}
+
     async def _vllm_bench(self, setup: str, rate: float, seconds: float) -> dict:
         """Chats driven and measured by vLLM's serving benchmark client, against one set-up."""
         from vllm.benchmarks import serve
@@ -333,8 +367,15 @@ class Bench:
         try:
             if flood is not None:
                 await asyncio.sleep(1.0)  # the flood is on before the first measured chat
+            w = Window("batch-flood", setup, level, rnd, "vllm-bench", 0.0)
+            stop = asyncio.Event()
+            watch = asyncio.get_running_loop().create_task(self._cpu_watch(stop, w, {"flood-client": flood.pid} if flood else {}))
             t0 = time.monotonic()
-            res = await self._vllm_bench(setup, self.opt.interactive_rate, self.opt.window_s)
+            try:
+                res = await self._vllm_bench(setup, self.opt.interactive_rate, self.opt.window_s)
+            finally:
+                stop.set()
+                await watch
             seconds = time.monotonic() - t0
             batch = await self._stop_flood(flood) if flood is not None else {}
         finally:
@@ -342,7 +383,7 @@ class Bench:
                 flood.kill()
                 await flood.wait()
         # Goodput over the benchmark's own duration (its ready check before it is not load).
-        w = Window("batch-flood", setup, level, rnd, "vllm-bench", res.get("duration") or seconds)
+        w.seconds = res.get("duration") or seconds
         errs = res["errors"]
         w.vllm_summary = {k: res.get(k) for k in ("completed", "failed", "request_goodput", "p50_ttft_ms", "p99_ttft_ms",
                                                   "p50_itl_ms", "p99_itl_ms", "duration")}

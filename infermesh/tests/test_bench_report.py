@@ -4,6 +4,7 @@ rounds, spreads, goodput, the ratios and the targets, the text and the picture."
 from __future__ import annotations
 
 import json
+import time
 
 from infermesh.bench import BenchOptions, bench_policy, plain_envoy_bootstrap
 from infermesh.bench_report import build_report, figure, format_report, goodput, plot_report, spread
@@ -144,3 +145,36 @@ def test_bench_policy_sets_every_models_kv_cache(tmp_path):
     p = load_policy(bench_policy(LOCAL_POLICY, tmp_path / "p.yaml", 32 << 20))
     assert {m.kv_cache_bytes for pool in p.pools.values() for m in pool.models} == {32 << 20}
     assert BenchOptions.quick().rounds == 2 and BenchOptions().flood_multiples[-1] >= 10
+
+
+def test_cpu_watch_samples_each_process_and_the_report_prints_the_top_flood_level():
+    import asyncio
+    import os
+    from types import SimpleNamespace
+
+    from infermesh.bench import Bench, Window
+
+    b = Bench.__new__(Bench)
+    b.mesh = SimpleNamespace(children=[SimpleNamespace(name="sidecar-batch", proc=SimpleNamespace(pid=os.getpid()))])
+    w = Window("batch-flood", "infermesh", 40.0, 0, "vllm-bench", 1.0)
+
+    async def run():
+        stop = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(b._cpu_watch(stop, w, {"flood-client": os.getpid()}))
+        t = time.monotonic()
+        while time.monotonic() - t < 1.2:  # busy, so this process has CPU to show
+            await asyncio.sleep(0)
+        stop.set()
+        await task
+
+    asyncio.run(run())
+    assert set(w.cpu) == {"sidecar-batch", "flood-client", "bench-client"}
+    assert w.cpu["bench-client"]["cpu_pct"] > 20 and 0 <= w.cpu["bench-client"]["on_cpu0"] <= 1
+    ws = fake_flood({"vllm-serve": 0.1, "envoy-rr": 0.1, "infermesh": 0.1}, {"vllm-serve": 2.0, "envoy-rr": 0.9, "infermesh": 0.12})
+    for x in ws:
+        if x["setup"] == "infermesh" and x["level"] == 40.0:
+            x["cpu"] = {"sidecar-batch": {"cpu_pct": 80.0 + 10 * x["round"], "on_cpu0": 0.5}, "envoy": {"cpu_pct": 1.0, "on_cpu0": 1.0}}
+    rep = build_report(ws, 1.0, CAL, {})
+    assert rep["scenarios"]["batch-flood"]["figures"]["infermesh"]["40.0"]["cpu"]["sidecar-batch"] == {"cpu_pct": 85.0, "on_cpu0": 0.5}
+    line = next(x for x in format_report(rep).splitlines() if "CPU at 40/s, infermesh" in x)
+    assert "sidecar-batch 85% (0.50)" in line and "envoy" not in line  # under 5 % is left out
