@@ -14,6 +14,8 @@ and response building answer every request (vllm_serving.py), so a client writte
   header or body `priority` / `request_id`: the class decides.
 - response headers only once the first token (or an error) is ready, so an error before the first
   token is a real status and Envoy's per-try timeout is a TTFT deadline;
+- no first token by the mesh's give-up limit (`x-infermesh-ttft-give-up-ms`), streamed or not:
+  504 `ttft_deadline_exceeded` and the vLLM request aborted;
 - `x-infermesh-*` headers (response_headers.identity_headers) and `usage.infermesh`;
 - a client that hangs up, streaming or not, releases its vLLM request at once.
 """
