@@ -18,11 +18,17 @@ import pytest
 
 from infermesh.drill import SCENARIOS, Drill
 from infermesh.drill_report import format_report, plot_report
+from infermesh.meshconfig.policy import load_policy
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+# What the one-replica-per-pool drill mesh can run (slow-replica runs on the replicas mesh, in
+# e2e/test_replicas_e2e.py).
+E2E_POLICY = load_policy(Path(__file__).resolve().parent / "policy-e2e.yaml")
+
+
+@pytest.mark.parametrize("name", [n for n, s in SCENARIOS.items() if s.unfit(E2E_POLICY, None) is None])
 def test_drill(local_mesh, name, tmp_path):
     rep = asyncio.run(Drill(local_mesh, progress=lambda m: print(f"[drill] {m}", flush=True)).run(SCENARIOS[name]))
     print(format_report(rep), flush=True)

@@ -198,10 +198,15 @@ def start_gateway(istiod_binary: str, form: "Form", objects: list[dict], config:
 DEFAULT_POLICY = REPO / "charts" / "infermesh" / "files" / "default-policy.yaml"
 
 
-def header_only_policy(**filter_settings) -> dict:
-    """The chart's default policy without its body rule (chat-bulk)."""
+def header_only_policy(*, degradable: bool = True, **filter_settings) -> dict:
+    """The chart's default policy without its body rule (chat-bulk); `degradable=False` also
+    without `when_degraded`, so that no class can be spilled or shed and the header rules can be
+    decided by the routes (issue 19 keeps the rules of degradable classes in the filter)."""
     policy = yaml.safe_load(DEFAULT_POLICY.read_text())
     policy["rules"] = [r for r in policy["rules"] if "body" not in r.get("match", {})]
+    if not degradable:
+        for pool in policy["pools"].values():
+            pool.pop("when_degraded", None)
     if filter_settings:
         policy["filter"] = filter_settings
     return policy
@@ -221,7 +226,7 @@ FORMS = [
     # Trusted sources keep every decision in the filter (only it can tell a trusted peer): no
     # native route, so the chart's WasmPlugin.
     Form("header-rules-wasmplugin", header_only_policy(trusted_cidrs=["10.99.0.0/16"]), "WasmPlugin", body_rules=False, native=False),
-    Form("header-rules-native", header_only_policy(), "EnvoyFilter", body_rules=False, native=True),
+    Form("header-rules-native", header_only_policy(degradable=False), "EnvoyFilter", body_rules=False, native=True),
 ]
 
 

@@ -6,6 +6,9 @@
   them once it runs again (Envoy reset the losing attempts, the sidecar aborted them);
 - one replica loaded with long streams: new requests go mostly to the other, from the load the
   sidecars report to Envoy (ORCA) — and no client ever sees that report;
+- the `slow-replica` drill (infermesh/drill.py) on this mesh: a steady mixed load, one replica
+  stalled, every check of its report (none lost, first tokens within the deadline + margin from
+  the other replica, no flapping, nothing left in the stalled vLLM, recovery), per-replica load;
 - a replica killed: no request is lost.
 
 Which replica served is what the sidecars report (`x-infermesh-served-by`).
@@ -13,6 +16,9 @@ Which replica served is what the sidecars report (`x-infermesh-served-by`).
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import shutil
 import threading
 import time
@@ -24,6 +30,8 @@ import httpx
 import pytest
 
 from infermesh import paths
+from infermesh.drill import SCENARIOS, Drill
+from infermesh.drill_report import format_report
 from infermesh.launcher import LocalMesh, plan_on_free_ports
 
 pytestmark = pytest.mark.e2e
@@ -152,6 +160,21 @@ def test_a_loaded_replica_gets_fewer_new_requests_from_its_own_reports(mesh):
     print(f"[load] served by the unloaded replica: {share:.0%} ({served}); Envoy's weights by port {weights}, "
           f"replica ports {[p.http_port for p in mesh.plan.replicas('interactive')]}")
     assert share >= 0.7, served
+
+
+def test_the_slow_replica_drill_passes_and_reports_per_replica_load(mesh, tmp_path):
+    rep = asyncio.run(Drill(mesh, progress=lambda m: print(f"[drill] {m}", flush=True)).run(SCENARIOS["slow-replica"]))
+    print(format_report(rep), flush=True)
+    out = Path(os.environ.get("INFERMESH_DRILL_OUT") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "drill-slow-replica.json").write_text(json.dumps(rep, indent=1))
+    failed = [f"{c['name']}: {c['detail']}" for c in rep["checks"] if not c["passed"]]
+    assert rep["passed"] and not failed, failed
+    assert rep["requests"]["interactive"]["sent"] >= 20, rep["requests"]["interactive"]
+    # Per-replica load, from the responses and from the sidecars' own counters.
+    assert set(rep["replica_load"]) == {"interactive/0", "interactive/1"}
+    assert rep["served_by"]["interactive"]["interactive/1"]["during"] > 0, rep["served_by"]
+    assert sum(rep["replica_load"]["interactive/1"]["finished"].values()) > 0, rep["replica_load"]
 
 
 def test_a_killed_replica_loses_no_request(mesh):

@@ -66,7 +66,11 @@ class BenchOptions:
     rounds: int = 3
     """Rounds; each runs every level of every scenario once per set-up."""
     window_s: float = 12.0
-    """Length of one measured window (arrivals stop then; requests in flight finish)."""
+    """Length of one measured batch-flood window (arrivals stop then; requests in flight finish)."""
+    overload_window_s: float = 24.0
+    """Length of one overload window: long against the interactive pool's KV-cache breaker
+    (fill ~2 s + sustain 2 s + escalation), so most of it shows the ladder acting, not the
+    time before it (an 8 s window left ~3 s; docs/bench.md)."""
     interactive_rate: float = 1.0
     """Batch flood: streaming chats per second (steady, open loop)."""
     flood_multiples: tuple[float, ...] = (0.0, 1.0, 3.0, 10.0)
@@ -84,7 +88,7 @@ class BenchOptions:
 
     @classmethod
     def quick(cls) -> "BenchOptions":
-        return cls(rounds=2, window_s=8.0, flood_multiples=(0.0, 10.0), overload_multiples=(0.5, 6.0))
+        return cls(rounds=2, window_s=8.0, overload_window_s=16.0, flood_multiples=(0.0, 10.0), overload_multiples=(0.5, 6.0))
 
 
 @dataclass
@@ -110,6 +114,15 @@ class Window:
     """Highest KV-cache use of the engine serving chats during the window (0-1)."""
     level_max: int | None = None
     """Highest breaker level of the interactive pool during the window (sidecar set-ups)."""
+    degraded_after_s: float | None = None
+    """When the interactive pool first served new chats from its small model (level >= 2), in
+    seconds from the window's start (sidecar set-ups; None: it did not)."""
+    level_at_start: int | None = None
+    """The interactive pool's level when the window began (0 unless a previous window's
+    degradation had not recovered within `Bench.settle`'s timeout)."""
+    cpu: dict = field(default_factory=dict)
+    """Batch flood: each process's CPU during the window (`Bench._cpu_watch`): mean % of one core,
+    and the share of samples it was running on CPU 0 (the interactive pool's engines' core)."""
     vllm_summary: dict = field(default_factory=dict)
     """vllm-bench windows: vLLM's own figures for the window (its goodput and p99s), for comparison."""
 
@@ -276,6 +289,7 @@ class Bench:
             self.say(f"calibration: pool {pool} serves one {kind} request in {lat * 1000:.0f} ms -> {1 / lat:.2f}/s without queueing")
 
     async def _kv_watch(self, setup: str, stop: asyncio.Event, w: Window) -> None:
+        t0 = time.monotonic()
         async with httpx.AsyncClient(timeout=1.0) as c:
             while not stop.is_set():
                 try:
@@ -287,12 +301,45 @@ class Bench:
                         st = (await c.get(self.mesh.admin_url(self.interactive_pool) + "/admin/state")).json()
                         kv = max(e["kv_cache_usage"] or 0.0 for e in st["engines"])
                         w.level_max = max(w.level_max or 0, st["level"])
+                        if st["level"] >= 2 and w.degraded_after_s is None:
+                            w.degraded_after_s = round(time.monotonic() - t0, 2)
                     if kv is not None:
                         w.kv_max = max(w.kv_max or 0.0, kv)
                 except (httpx.HTTPError, ValueError, KeyError, TypeError):
                     pass
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.25)
+
+    async def _cpu_watch(self, stop: asyncio.Event, w: Window, extra: dict[str, int]) -> None:
+        """Where the CPU goes during a flood window: the set-ups' processes (a sidecar's children
+        are its vLLM engine cores), Envoy, the flood client and this process (vLLM's client)."""
+        import os
+
+        import psutil
+
+        procs: dict[str, psutil.Process] = {}
+        for c in self.mesh.children:
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(c.proc.pid)
+                procs[c.name] = p
+                for i, k in enumerate(p.children(recursive=True)):
+                    procs[f"{c.name}/engine{i}"] = k
+        for name, pid in {**extra, "bench-client": os.getpid()}.items():
+            with contextlib.suppress(psutil.Error):
+                procs[name] = psutil.Process(pid)
+        acc = {n: [0.0, 0, 0] for n in procs}  # cpu % summed, samples, samples on CPU 0
+        for p in procs.values():
+            with contextlib.suppress(psutil.Error):
+                p.cpu_percent(None)
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+            for n, p in procs.items():
+                with contextlib.suppress(psutil.Error):
+                    acc[n][0] += p.cpu_percent(None)
+                    acc[n][1] += 1
+                    acc[n][2] += p.cpu_num() == 0
+        w.cpu = {n: {"cpu_pct": round(a[0] / a[1], 1), "on_cpu0": round(a[2] / a[1], 2)} for n, a in acc.items() if a[1]}
 
     async def _vllm_bench(self, setup: str, rate: float, seconds: float) -> dict:
         """Chats driven and measured by vLLM's serving benchmark client, against one set-up."""
@@ -315,12 +362,20 @@ class Bench:
 
     async def flood_window(self, setup: str, level: float, rnd: int, agree: bool) -> list[Window]:
         out = []
+        level_at_start = await self.settle()
         flood = await self._start_flood(setup, level) if level > 0 else None
         try:
             if flood is not None:
                 await asyncio.sleep(1.0)  # the flood is on before the first measured chat
+            w = Window("batch-flood", setup, level, rnd, "vllm-bench", 0.0)
+            stop = asyncio.Event()
+            watch = asyncio.get_running_loop().create_task(self._cpu_watch(stop, w, {"flood-client": flood.pid} if flood else {}))
             t0 = time.monotonic()
-            res = await self._vllm_bench(setup, self.opt.interactive_rate, self.opt.window_s)
+            try:
+                res = await self._vllm_bench(setup, self.opt.interactive_rate, self.opt.window_s)
+            finally:
+                stop.set()
+                await watch
             seconds = time.monotonic() - t0
             batch = await self._stop_flood(flood) if flood is not None else {}
         finally:
@@ -328,7 +383,7 @@ class Bench:
                 flood.kill()
                 await flood.wait()
         # Goodput over the benchmark's own duration (its ready check before it is not load).
-        w = Window("batch-flood", setup, level, rnd, "vllm-bench", res.get("duration") or seconds)
+        w.seconds = res.get("duration") or seconds
         errs = res["errors"]
         w.vllm_summary = {k: res.get(k) for k in ("completed", "failed", "request_goodput", "p50_ttft_ms", "p99_ttft_ms",
                                                   "p50_itl_ms", "p99_itl_ms", "duration")}
@@ -337,6 +392,7 @@ class Bench:
         w.interactive = {"ok": len(w.ttfts), "degraded": 0, "shed": 0,
                          "failed": sum(1 for e in errs if e and "Timeout" not in e), "lost": sum(1 for e in errs if e and "Timeout" in e)}
         w.batch = batch
+        w.level_at_start = level_at_start
         w.batch_tokens = BATCH_TOKENS * (batch.get("ok", 0) + batch.get("degraded", 0))
         out.append(w)
         if agree:
@@ -371,13 +427,30 @@ class Bench:
         await proc.wait()
         return json.loads(line)
 
+    async def settle(self, timeout_s: float = 30.0) -> int:
+        """Wait until no pool is degraded and none has requests in flight (a previous window's
+        breakers must not serve this one: envoy-rr and infermesh share the sidecars); returns
+        the interactive pool's level then."""
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as c:
+            while True:
+                try:
+                    states = [(await c.get(self.mesh.admin_url(p.name, p.replica) + "/admin/state")).json() for p in self.mesh.plan.pools]
+                    if all(st["level"] < 2 and st["in_flight"] == 0 for st in states) or time.monotonic() > deadline:
+                        return next(st["level"] for st in states if st["pool"] == self.interactive_pool)
+                except (httpx.HTTPError, ValueError, KeyError, StopIteration):
+                    if time.monotonic() > deadline:
+                        return -1
+                await asyncio.sleep(0.5)
+
     async def overload_window(self, setup: str, level: float, rnd: int) -> Window:
         d = self.drill(setup, long_chats=True)
-        w = Window("overload", setup, level, rnd, "drill", self.opt.window_s)
+        w = Window("overload", setup, level, rnd, "drill", self.opt.overload_window_s)
+        w.level_at_start = await self.settle()
         stop = asyncio.Event()
         watch = asyncio.get_running_loop().create_task(self._kv_watch(setup, stop, w))
         try:
-            await d.window(level, 0, self.opt.window_s)
+            await d.window(level, 0, self.opt.overload_window_s)
         finally:
             stop.set()
             await watch

@@ -72,7 +72,16 @@ def figure(windows: list[dict], target_s: float) -> dict:
         "batch_tokens_per_s": round(sum(w.get("batch_tokens", 0) for w in windows) / seconds, 1) if seconds else 0.0,
         "kv_cache_max": max(kv) if kv else None,
         "pool_level_max": max(levels) if levels else None,
+        "degraded_after_s": spread([w.get("degraded_after_s") for w in windows]),
+        "cpu": _mean_cpu([w.get("cpu") or {} for w in windows]),
+        "level_at_start_max": max((w["level_at_start"] for w in windows if w.get("level_at_start") is not None), default=None),
     }
+
+
+def _mean_cpu(cpus: list[dict]) -> dict:
+    """Each process's CPU figures, averaged over the windows that sampled it."""
+    names = sorted({n for c in cpus for n in c})
+    return {n: {k: round(statistics.mean(c[n][k] for c in cpus if n in c), 2) for k in ("cpu_pct", "on_cpu0")} for n in names}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -185,6 +194,22 @@ def format_report(rep: dict) -> str:
                     f"{'/'.join(str(i.get(k, 0)) for k in OUTCOME_KEYS):>22} "
                     f"{('/'.join(str(b.get(k, 0)) for k in OUTCOME_KEYS)) if sum(b.values()) else '-':>14} "
                     f"{_f(f['batch_tokens_per_s']):>6} {_f(f['kv_cache_max'], 2):>4}")
+        ladder = [f"{s} {lv}/s: {f['degraded_after_s']['rounds']}/{f['rounds']} windows, after "
+                  f"{_f(f['degraded_after_s']['min'], 1)}-{_f(f['degraded_after_s']['max'], 1)} s"
+                  for s in SETUPS for lv, f in sc["figures"][s].items() if f.get("degraded_after_s", {}).get("rounds")]
+        if ladder:
+            lines.append("  interactive pool degraded to its small model (level >= 2): " + "; ".join(ladder))
+        unsettled = [f"{s} {lv}/s (level {f['level_at_start_max']})" for s in SETUPS for lv, f in sc["figures"][s].items()
+                     if (f.get("level_at_start_max") or 0) >= 2]
+        if unsettled:
+            lines.append("  windows that began with the interactive pool still degraded: " + ", ".join(unsettled))
+        top = str(sc["levels"][-1])
+        for s in SETUPS:
+            cpu = sc["figures"][s].get(top, {}).get("cpu")
+            if cpu:
+                lines.append(f"  CPU at {float(top):g}/s, {s} (% of one core, share on CPU 0): " + ", ".join(
+                    f"{n} {c['cpu_pct']:.0f}% ({c['on_cpu0']:.2f})" for n, c in sorted(cpu.items(), key=lambda kv: -kv[1]["cpu_pct"])
+                    if c["cpu_pct"] >= 5))
         lines.append("  ratios: " + "; ".join(f"{s} {v}" for s, v in sc["ratios"].items()))
     if rep.get("agreement"):
         lines += ["", "agreement (unloaded chats, vLLM's client vs ours): " + "; ".join(

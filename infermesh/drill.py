@@ -17,6 +17,9 @@ Scenarios (`SCENARIOS`):
 - `sidecar-kill`: the fault pool's sidecar and its vLLM processes get SIGKILL, then restart.
 - `slow-sidecar`: the fault pool's primary engine processes are stopped for most of every second
   (admin fault `stall`): real slowness that the latency (TTFT) breaker must catch.
+- `slow-replica`: one replica of a pool of several is stalled (admin fault `stall`); its class's
+  TTFT deadline must hedge every request to another replica, and the stalled replica's vLLM must
+  hold nothing Envoy gave up on (needs a policy pool with `replicas` >= 2 and a hedging class).
 - `control-plane-kill`: the control plane gets SIGKILL, then restarts; Envoy must keep serving.
 - `invalid-policy`: a broken policy is written over the watched file, then the good one back.
 - `bad-requests`: garbage, oversize, unknown-model, wrong-method, spoofed-header and vanishing
@@ -43,7 +46,7 @@ import httpx
 
 from infermesh.meshconfig.policy import Policy
 
-from .drill_report import Expectation, Marks, Request, Sample, build_report
+from .drill_report import Expectation, Marks, ReplicaSample, Request, Sample, build_report, slow_replica_checks
 
 CHAT = {"role": "user", "content": "Hello! How are you today?"}
 
@@ -225,6 +228,7 @@ class Drill:
             if not await self.wait_normal(self.opt.recover_timeout_s):
                 raise RuntimeError(f"the pools are not normal before the drill: {[self.latest(p) for p in self.pools]}")
             self.requests.clear()
+            baseline = self.now()
             if self.opt.fault_pool is None:
                 self.fault_pool = scenario.default_pool(self) or self.fault_pool
             await scenario.prepare(self)
@@ -236,7 +240,7 @@ class Drill:
             if extra is not None:
                 loads.append(asyncio.get_running_loop().create_task(extra))
             await asyncio.sleep(self.opt.baseline_s)
-            marks = Marks(inject=self.now(), clear=0.0, end=0.0)
+            marks = Marks(inject=self.now(), clear=0.0, end=0.0, baseline=baseline)
             self.progress(f"{scenario.name}: injecting — {scenario.describe(self)}")
             await scenario.inject(self, marks)
             marks.clear = self.now()
@@ -256,7 +260,9 @@ class Drill:
             await self.client.aclose()
             await scenario.cleanup(self)
         exp = scenario.expectation(self)
-        return build_report(scenario.name, scenario.describe(self), exp, self.requests, self.samples, marks, self.pools, checks)
+        rep = build_report(scenario.name, scenario.describe(self), exp, self.requests, self.samples, marks, self.pools, checks)
+        rep.update(scenario.report_sections(self))
+        return rep
 
 
 def _common_model(policy: Policy) -> str:
@@ -289,6 +295,14 @@ class Scenario:
     def default_pool(self, d: Drill) -> str | None:
         """The pool this scenario hits unless --pool says (None: the most important class's pool)."""
         return None
+
+    def unfit(self, policy: Policy, fault_pool: str | None) -> str | None:
+        """Why this policy cannot run the scenario (checked before the mesh starts), or None."""
+        return None
+
+    def report_sections(self, d: Drill) -> dict:
+        """Scenario-specific parts of the report."""
+        return {}
 
     def fault_s(self, d: Drill) -> float:
         return max(10.0, self.breaker(d).sustain_s + 8.0) if self.signal else 5.0
@@ -326,9 +340,9 @@ class DrillError(RuntimeError):
     """A drill that cannot run (the policy lacks what it needs); the message says what to change."""
 
 
-async def _admin(d: Drill, pool: str, method: str, path: str, body: dict | None = None) -> None:
+async def _admin(d: Drill, pool: str, method: str, path: str, body: dict | None = None, replica: int = 0) -> None:
     async with httpx.AsyncClient(timeout=5) as c:
-        r = await c.request(method, d.mesh.admin_url(pool) + path, json=body)
+        r = await c.request(method, d.mesh.admin_url(pool, replica) + path, json=body)
         if r.status_code != 200:
             raise DrillError(f"admin {method} {path} on {pool}: {r.status_code} {r.text[:200]}")
 
@@ -444,6 +458,145 @@ class SidecarKill(Scenario):
         await asyncio.sleep(self.down_s)
         d.mesh.restart(name)
         d.progress(f"{self.name}: {name} restarted; it loads its models again")
+
+
+def _hedging_pools(policy: Policy) -> list[tuple[int, str, str]]:
+    """(priority, class, pool) of the classes that hedge past a TTFT deadline to a pool of several
+    replicas, most important first."""
+    return sorted((c.priority, name, c.pool) for name, c in policy.classes.items()
+                  if c.hedges and policy.pools[c.pool].replicas >= 2)
+
+
+def _requests_finished(metrics_text: str) -> dict[str, int]:
+    """A sidecar's own count of the requests it finished, by status (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for smp in fam.samples:
+            if smp.name == "infermesh_sidecar_requests_total":
+                out[smp.labels["status"]] = out.get(smp.labels["status"], 0) + int(smp.value)
+    return out
+
+
+class SlowReplica(Scenario):
+    """One replica of a pool of several stalled (its engine stopped `duty` of every `period_s`):
+    the class's TTFT deadline must hedge each request to another replica (docs/replicas.md)."""
+
+    name = "slow-replica"
+    degrades = False
+    duty, period_s, fault = 0.95, 10.0, 15.0
+    """The admin API's longest stop (95 % of 10 s), for 15 s: one short run window in the middle."""
+    replica = 0
+    """The replica stalled (the drill's pool sampler watches replica 0, so recovery waits for it)."""
+    margin_s = 0.5
+    """Allowed above the deadline: the hedge's own TTFT on the other replica (a shared 2-core CPU
+    machine; e2e/test_replicas_e2e.py uses the same)."""
+    min_share = 0.8
+    """The stalled replica can win a request only in its run window (5 % of each period) or
+    within a deadline before it: the others must serve most."""
+    probes = 8
+    """Chats sent one at a time after the load, to see the stalled replica serve again."""
+
+    def unfit(self, policy: Policy, fault_pool: str | None) -> str | None:
+        hedging = _hedging_pools(policy)
+        if hedging and (fault_pool is None or fault_pool in {p for _, _, p in hedging}):
+            return None
+        pools = ", ".join(f"{n} ({p.replicas} replica{'s' if p.replicas > 1 else ''})" for n, p in policy.pools.items())
+        deadlines = ", ".join(f"{n} -> {c.pool} ({c.ttft_deadline_ms} ms, {'hedges' if c.hedges else 'no hedge'})"
+                              for n, c in policy.classes.items() if c.ttft_deadline_ms is not None) or "none"
+        where = f"pool {fault_pool!r}" if fault_pool else "a pool"
+        return (f"{self.name}: {where} needs replicas >= 2 and a class served by it with ttft_deadline_ms that hedges; "
+                f"this policy's pools: {pools}; classes with a deadline: {deadlines} "
+                f"(e2e/policy-replicas-e2e.yaml is one that fits; docs/replicas.md)")
+
+    def default_pool(self, d: Drill) -> str | None:
+        hedging = _hedging_pools(d.policy)
+        return hedging[0][2] if hedging else None
+
+    def _setup(self, d: Drill) -> None:
+        self.pool = d.fault_pool
+        self.n = d.policy.pools[self.pool].replicas
+        self.stalled = f"{self.pool}/{self.replica}"
+        self.deadline_s = min(c.ttft_deadline_ms for c in d.policy.classes.values() if c.pool == self.pool and c.hedges) / 1000
+
+    def describe(self, d: Drill) -> str:
+        self._setup(d)
+        return (f"replica {self.stalled} of {self.n} stopped {self.duty:.0%} of every {self.period_s:g}s for {self.fault:g}s "
+                f"(admin fault stall); a {self.deadline_s * 1000:.0f} ms TTFT deadline hedges to the others")
+
+    async def _finished(self, d: Drill) -> dict[str, dict[str, int]]:
+        async with httpx.AsyncClient(timeout=5) as c:
+            return {f"{self.pool}/{i}": _requests_finished((await c.get(d.mesh.sidecar_url(self.pool, i) + "/metrics")).text)
+                    for i in range(self.n)}
+
+    async def prepare(self, d: Drill) -> None:
+        if (why := self.unfit(d.policy, d.fault_pool)) is not None:
+            raise DrillError(why)
+        self._setup(d)
+        self.replica_samples: list[ReplicaSample] = []
+        self.probe_results: list[Request] = []
+        self.finished_before = await self._finished(d)
+        self.finished: dict[str, dict[str, int]] = {}
+
+    async def _sample_replicas(self, d: Drill, every: float = 0.1) -> None:
+        async with httpx.AsyncClient(timeout=0.5) as admin:
+            while not d.stop_load.is_set():
+                for i in range(self.n):
+                    t = d.now()
+                    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                        st = (await admin.get(d.mesh.admin_url(self.pool, i) + "/admin/state")).json()
+                        self.replica_samples.append(ReplicaSample(t, f"{self.pool}/{i}", sum(e["unfinished"] for e in st["engines"]), st["in_flight"]))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(d.stop_load.wait(), timeout=every)
+
+    def extra_load(self, d: Drill):
+        return self._sample_replicas(d)
+
+    async def inject(self, d: Drill, marks: Marks) -> None:
+        body = {"value": self.duty, "duration_s": self.fault + 60, "period_s": self.period_s}
+        await _admin(d, self.pool, "PUT", "/admin/faults/stall", body, replica=self.replica)
+        await asyncio.sleep(self.fault)
+        await _admin(d, self.pool, "DELETE", "/admin/faults/stall", replica=self.replica)
+
+    async def checks(self, d: Drill, marks: Marks):
+        async with httpx.AsyncClient(timeout=2) as admin:
+            async def held() -> dict[str, tuple[int, int]]:
+                out = {}
+                for i in range(self.n):
+                    st = (await admin.get(d.mesh.admin_url(self.pool, i) + "/admin/state")).json()
+                    out[f"{self.pool}/{i}"] = (sum(e["unfinished"] for e in st["engines"]), st["in_flight"])
+                return out
+            deadline = d.now() + 10
+            left = await held()
+            while any(left.values()) and d.now() < deadline:
+                await asyncio.sleep(0.2)
+                left = await held()
+        for _ in range(self.probes):
+            await d.interactive()
+            self.probe_results.append(d.requests.pop())  # not part of the drill's load
+        after = await self._finished(d)
+        self.finished = {who: {st: n - self.finished_before[who].get(st, 0) for st, n in sorted(c.items()) if n - self.finished_before[who].get(st, 0)}
+                         for who, c in after.items()}
+        probes_ok = sum(1 for r in self.probe_results if r.status == 200 and r.complete)
+        return [("no request left in vLLM or the sidecar on any replica", not any(any(v) for v in left.values()),
+                 f"(vLLM unfinished, sidecar in flight) by replica: {left}"),
+                (f"probes after the load all served", probes_ok == len(self.probe_results),
+                 f"{probes_ok}/{len(self.probe_results)}; served by {[r.served_by for r in self.probe_results]}")] + \
+            slow_replica_checks(d.requests, self.replica_samples, marks, self.stalled, self.deadline_s, self.margin_s,
+                                self.min_share, self.probe_results)
+
+    def report_sections(self, d: Drill) -> dict:
+        peak: dict[str, int] = {}
+        for s in self.replica_samples:
+            peak[s.replica] = max(peak.get(s.replica, 0), s.unfinished)
+        return {"replica_load": {who: {"finished": self.finished.get(who, {}), "max_unfinished": peak.get(who, 0)}
+                                 for who in (f"{self.pool}/{i}" for i in range(self.n))},
+                "stalled_replica": self.stalled, "ttft_deadline_ms": round(self.deadline_s * 1000)}
+
+    async def cleanup(self, d: Drill) -> None:
+        with contextlib.suppress(Exception):
+            await _admin(d, self.pool, "DELETE", "/admin/faults", replica=self.replica)
 
 
 class ControlPlaneKill(Scenario):
@@ -628,6 +781,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     CpuPressure(),
     SidecarKill(),
     SlowSidecar(),
+    SlowReplica(),
     ControlPlaneKill(),
     InvalidPolicy(),
     BadRequests(),
@@ -651,7 +805,9 @@ class RemoteMesh:
     base_url: str
     admins: dict[str, str]
 
-    def admin_url(self, pool: str) -> str:
+    def admin_url(self, pool: str, replica: int = 0) -> str:
+        if replica:
+            raise DrillError("a remote mesh is given one admin API per pool (--admin POOL=URL): no replica to choose")
         return self.admins[pool]
 
 
@@ -688,6 +844,18 @@ def run_remote(names: list[str], policy_path: Path, gateway: str, admins: list[s
     if as_json:
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
     return 0 if all(r["passed"] for r in reports) else 1
+
+
+def fitting_scenarios(names: list[str], policy: Policy, fault_pool: str | None, say: Callable[[str], None]) -> list[str] | None:
+    """The named scenarios this policy can run. One named scenario that cannot: None (said why);
+    several (`all`): the others, with a note for each one left out."""
+    unfit = {n: why for n in names if (why := SCENARIOS[n].unfit(policy, fault_pool)) is not None}
+    if len(names) == 1 and unfit:
+        say(unfit[names[0]])
+        return None
+    for n, why in unfit.items():
+        say(f"skipping {why}")
+    return [n for n in names if n not in unfit]
 
 
 def _run_scenarios(mesh, names: list[str], options: DrillOptions, say: Callable[[str], None],
@@ -728,6 +896,9 @@ def run_cli(names: list[str], policy_path: Path | None, options: DrillOptions, a
         return 2
     if options.fault_pool is not None and options.fault_pool not in policy.pools:
         say(f"--pool {options.fault_pool!r} is not one of the pools {list(policy.pools)}")
+        return 2
+    names = fitting_scenarios(names, policy, options.fault_pool, say)
+    if not names:
         return 2
     run_dir = Path(tempfile.mkdtemp(prefix="infermesh-drill-"))
     policy_copy = run_dir / "policy.yaml"  # the invalid-policy drill writes over it, never over yours

@@ -101,6 +101,8 @@ class Marks:
     end: float
     kill: float | None = None
     """sidecar-kill: the SIGKILL."""
+    baseline: float = 0.0
+    """When the baseline load began: the pools were normal then (start-up states before it are not the baseline's)."""
     extra: dict = field(default_factory=dict)
 
 
@@ -244,7 +246,7 @@ def build_report(scenario: str, summary: str, exp: Expectation, requests: list[R
     # (Requests still in flight when the fault began are judged with the fault: a stream the
     # sidecar-kill cuts was sent in the baseline.)
     base_bad = [r for r in traffic if r.done is not None and r.done < marks.inject and r.outcome != "ok"]
-    base_levels = {s.pool for s in samples if s.t < marks.inject and s.effective_level > 0}
+    base_levels = {s.pool for s in samples if marks.baseline <= s.t < marks.inject and s.effective_level > 0}
     checks.append(("normal service before the fault", not base_bad and not base_levels,
                    f"{len(base_bad)} requests not served normally, pools degraded: {sorted(base_levels) or 'none'}"))
     lost = sum(1 for r in requests if r.outcome == "lost")
@@ -303,6 +305,7 @@ def build_report(scenario: str, summary: str, exp: Expectation, requests: list[R
     checks.append(("no flapping", not flaps, "; ".join(flaps) or "one degradation, one recovery"))
     checks += extra_checks or []
 
+    served_by = served_by_phases(traffic, marks)
     ttft = {"before": _ttft(traffic, 0, marks.inject), "during": _ttft(traffic, marks.inject, marks.clear),
             "after": _ttft(traffic, rec if rec is not None else marks.clear, math.inf)}
     return {
@@ -313,6 +316,7 @@ def build_report(scenario: str, summary: str, exp: Expectation, requests: list[R
         "home_pools": home,
         "times": times,
         "interactive_ttft": ttft,
+        "served_by": served_by,
         "level_changes": {p: ch for p, ch in changes.items()},
         "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in checks],
         "marks": asdict(marks),
@@ -324,6 +328,86 @@ def build_report(scenario: str, summary: str, exp: Expectation, requests: list[R
             "breakers": _breaker_series(samples),
         },
     }
+
+
+PHASES = ("before", "during", "after")
+
+
+def served_by_phases(requests: list[Request], marks: Marks) -> dict[str, dict[str, dict[str, int]]]:
+    """KIND -> POOL/REPLICA (the `x-infermesh-served-by` the sidecar sent) -> requests answered
+    by it, by when they were sent: before, during or after the fault."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for r in requests:
+        if r.served_by is None:
+            continue
+        phase = "before" if r.sent < marks.inject else "during" if r.sent < marks.clear else "after"
+        per = out.setdefault(r.kind, {}).setdefault(r.served_by, {ph: 0 for ph in PHASES})
+        per[phase] += 1
+    return {k: dict(sorted(v.items())) for k, v in out.items()}
+
+
+@dataclass
+class ReplicaSample:
+    """One reading of one replica's admin state (slow-replica samples every replica of its pool)."""
+
+    t: float
+    replica: str
+    """POOL/N, as in `x-infermesh-served-by`."""
+    unfinished: int
+    """vLLM's own count of requests it holds (its front end drops an aborted one at once, even
+    while the engine process is stopped)."""
+    in_flight: int
+
+
+ABORT_GRACE_S = 0.5
+"""After the winning attempt's first token: time for Envoy's reset of the losing attempt to reach
+its sidecar and for the sidecar's abort to reach vLLM (and for the sampler's lag)."""
+
+
+def slow_replica_checks(requests: list[Request], replica_samples: list[ReplicaSample], marks: Marks, stalled: str,
+                        deadline_s: float, margin_s: float, min_share: float, probes: list[Request] = ()) -> list[tuple[str, bool, str]]:
+    """The slow-replica drill's own verdicts. `stalled` (POOL/N) was stalled from `marks.inject`
+    to `marks.clear`; interactive requests carry a TTFT deadline of `deadline_s`; `probes`: the
+    chats sent one at a time once the load was over."""
+    during = [r for r in requests if r.kind == "interactive" and marks.inject <= r.sent < marks.clear]
+    ttfts = [r.ttft for r in during if r.ttft is not None]
+    late = [r for r in during if r.ttft is None or r.ttft > deadline_s + margin_s]
+    limit_ms = round((deadline_s + margin_s) * 1000)
+    checks = [(f"interactive first token within the deadline + margin ({limit_ms} ms) during the stall",
+               bool(during) and not late,
+               f"{len(during) - len(late)}/{len(during)}; max TTFT {round(max(ttfts) * 1000) if ttfts else None} ms"
+               + (f"; late or no token: {[(round(r.sent, 1), r.status, r.ttft and round(r.ttft * 1000)) for r in late[:4]]}" if late else ""))]
+    by = {}
+    for r in during:
+        by[r.served_by] = by.get(r.served_by, 0) + 1
+    pool = stalled.split("/", 1)[0]
+    others = sum(n for who, n in by.items() if who is not None and who != stalled and who.split("/", 1)[0] == pool)
+    share = others / len(during) if during else 0.0
+    checks.append((f"the pool's other replicas served >= {min_share:.0%} of them", bool(during) and share >= min_share,
+                   f"{share:.0%}: {dict(sorted((str(k), v) for k, v in by.items()))}"))
+    # vLLM on the stalled replica may hold a request only while that request still waits for its
+    # first token (or streams from the stalled replica itself): everything Envoy gave up on is aborted.
+    def held_legitimately(t: float) -> int:
+        n = 0
+        for r in requests:
+            if r.kind != "interactive" or r.sent > t:
+                continue
+            if r.served_by == stalled or r.ttft is None:
+                end = r.done if r.done is not None else math.inf
+            else:
+                end = r.sent + r.ttft + ABORT_GRACE_S
+            n += t <= end
+        return n
+    stall_samples = [s for s in replica_samples if s.replica == stalled and marks.inject <= s.t < marks.clear]
+    excess = [(round(s.t, 1), s.unfinished, held_legitimately(s.t)) for s in stall_samples if s.unfinished > held_legitimately(s.t)]
+    peak = max((s.unfinished for s in stall_samples), default=None)
+    checks.append(("the stalled replica's vLLM held no attempt Envoy had given up on",
+                   bool(stall_samples) and not excess,
+                   f"{len(stall_samples)} samples, at most {peak} held" + (f"; held more than were waiting (t, held, waiting): {excess[:4]}" if excess else "")))
+    after = [r for r in requests if r.kind == "interactive" and r.sent >= marks.clear] + list(probes)
+    back = sum(1 for r in after if r.served_by == stalled)
+    checks.append(("the stalled replica serves again after the stall", back > 0, f"{back} of {len(after)} requests sent after it"))
+    return checks
 
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
@@ -365,6 +449,13 @@ def format_report(rep: dict) -> str:
     tt = rep["interactive_ttft"]
     lines.append("  interactive TTFT p50/p99 (ms): " + " · ".join(
         f"{ph} {v['p50_ms']}/{v['p99_ms']} (n={v['n']})" for ph, v in tt.items()))
+    for kind, per in rep.get("served_by", {}).items():
+        lines.append(f"  {kind} served by (before / during / after the fault): " + " · ".join(
+            f"{who} {v['before']}/{v['during']}/{v['after']}" for who, v in per.items()))
+    for who, v in rep.get("replica_load", {}).items():
+        lines.append(f"  replica {who}, its sidecar's own count of requests finished during the drill by status: "
+                     + (", ".join(f"{st} ×{n}" for st, n in v["finished"].items()) or "none")
+                     + f"; vLLM held at most {v['max_unfinished']} at once")
     lines.append("")
     for c in rep["checks"]:
         lines.append(f"  [{'pass' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}")

@@ -30,10 +30,7 @@ class _StatsLogger:
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if scheduler_stats is not None:
-            self.sink.kv_cache_usage = scheduler_stats.kv_cache_usage
-            self.sink.running = scheduler_stats.num_running_reqs
-            self.sink.waiting = scheduler_stats.num_waiting_reqs
-            self.sink.updated = time.monotonic()
+            self.sink.record(scheduler_stats.kv_cache_usage, scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs)
 
     def log_engine_initialized(self):
         pass

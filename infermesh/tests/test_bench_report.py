@@ -4,6 +4,7 @@ rounds, spreads, goodput, the ratios and the targets, the text and the picture."
 from __future__ import annotations
 
 import json
+import time
 
 from infermesh.bench import BenchOptions, bench_policy, plain_envoy_bootstrap
 from infermesh.bench_report import build_report, figure, format_report, goodput, plot_report, spread
@@ -18,7 +19,8 @@ def fake_window(scenario, setup, level, rnd, ttfts, client=None, seconds=10.0, *
     return {"scenario": scenario, "setup": setup, "level": level, "round": rnd, "client": client, "seconds": seconds,
             "ttfts": ttfts, "itls": kw.get("itls", []),
             "interactive": kw.get("interactive", {"ok": ok, "degraded": 0, "shed": 0, "failed": 0, "lost": 0}),
-            "batch": kw.get("batch", {}), "batch_tokens": kw.get("batch_tokens", 0), "kv_max": kw.get("kv_max"), "level_max": None}
+            "batch": kw.get("batch", {}), "batch_tokens": kw.get("batch_tokens", 0), "kv_max": kw.get("kv_max"), "level_max": None,
+            "degraded_after_s": kw.get("degraded_after_s"), "level_at_start": kw.get("level_at_start")}
 
 
 def fake_flood(unloaded: dict[str, float], flooded: dict[str, float], rounds: int = 2) -> list[dict]:
@@ -88,6 +90,25 @@ def test_overload_goodput_ratio_needs_zero_lost_and_failed():
     assert not t["met"] and t["lost"] == 1
 
 
+def test_the_report_says_when_the_ladder_acted_and_which_windows_began_degraded():
+    ws = [fake_window("overload", "infermesh", 6.0, r, [0.5] * 10, degraded_after_s=d, level_at_start=0)
+          for r, d in ((0, 4.2), (1, 6.5), (2, None))]
+    ws += [fake_window("overload", "vllm-serve", 6.0, r, [0.5] * 5) for r in range(3)]
+    ws.append(fake_window("overload", "envoy-rr", 6.0, 0, [0.5] * 5, level_at_start=2))
+    rep = build_report(ws, 1.0, CAL, {})
+    f = rep["scenarios"]["overload"]["figures"]["infermesh"]["6.0"]
+    assert f["degraded_after_s"] == {"median": 5.35, "min": 4.2, "max": 6.5, "rounds": 2}
+    text = format_report(rep)
+    assert "infermesh 6.0/s: 2/3 windows, after 4.2-6.5 s" in text
+    assert "began with the interactive pool still degraded: envoy-rr 6.0/s (level 2)" in text
+
+
+def test_overload_windows_outlast_the_kv_breakers_sustain_and_escalation():
+    # local.yaml's interactive kv-cache breaker: sustain 2 s, escalation 0 s, after a fill of ~2 s.
+    for opt in (BenchOptions(), BenchOptions.quick()):
+        assert opt.overload_window_s >= 4 * (2 + 2)
+
+
 def test_agreement_compares_both_clients_on_the_same_unloaded_chats():
     ws = fake_flood({"vllm-serve": 0.1, "envoy-rr": 0.1, "infermesh": 0.1}, {"vllm-serve": 2.0, "envoy-rr": 0.9, "infermesh": 0.1})
     ws.append(fake_window("batch-flood", "infermesh", 0.0, 0, [0.11] * 8, client="drill"))
@@ -124,3 +145,36 @@ def test_bench_policy_sets_every_models_kv_cache(tmp_path):
     p = load_policy(bench_policy(LOCAL_POLICY, tmp_path / "p.yaml", 32 << 20))
     assert {m.kv_cache_bytes for pool in p.pools.values() for m in pool.models} == {32 << 20}
     assert BenchOptions.quick().rounds == 2 and BenchOptions().flood_multiples[-1] >= 10
+
+
+def test_cpu_watch_samples_each_process_and_the_report_prints_the_top_flood_level():
+    import asyncio
+    import os
+    from types import SimpleNamespace
+
+    from infermesh.bench import Bench, Window
+
+    b = Bench.__new__(Bench)
+    b.mesh = SimpleNamespace(children=[SimpleNamespace(name="sidecar-batch", proc=SimpleNamespace(pid=os.getpid()))])
+    w = Window("batch-flood", "infermesh", 40.0, 0, "vllm-bench", 1.0)
+
+    async def run():
+        stop = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(b._cpu_watch(stop, w, {"flood-client": os.getpid()}))
+        t = time.monotonic()
+        while time.monotonic() - t < 1.2:  # busy, so this process has CPU to show
+            await asyncio.sleep(0)
+        stop.set()
+        await task
+
+    asyncio.run(run())
+    assert set(w.cpu) == {"sidecar-batch", "flood-client", "bench-client"}
+    assert w.cpu["bench-client"]["cpu_pct"] > 20 and 0 <= w.cpu["bench-client"]["on_cpu0"] <= 1
+    ws = fake_flood({"vllm-serve": 0.1, "envoy-rr": 0.1, "infermesh": 0.1}, {"vllm-serve": 2.0, "envoy-rr": 0.9, "infermesh": 0.12})
+    for x in ws:
+        if x["setup"] == "infermesh" and x["level"] == 40.0:
+            x["cpu"] = {"sidecar-batch": {"cpu_pct": 80.0 + 10 * x["round"], "on_cpu0": 0.5}, "envoy": {"cpu_pct": 1.0, "on_cpu0": 1.0}}
+    rep = build_report(ws, 1.0, CAL, {})
+    assert rep["scenarios"]["batch-flood"]["figures"]["infermesh"]["40.0"]["cpu"]["sidecar-batch"] == {"cpu_pct": 85.0, "on_cpu0": 0.5}
+    line = next(x for x in format_report(rep).splitlines() if "CPU at 40/s, infermesh" in x)
+    assert "sidecar-batch 85% (0.50)" in line and "envoy" not in line  # under 5 % is left out

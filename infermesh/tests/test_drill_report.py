@@ -101,3 +101,17 @@ def test_no_recovery_fails():
     exp, reqs, samples, marks = _kv_drill(recover_at=99.0)
     rep = build_report("kv-cache", "synthetic", exp, reqs, samples, marks, ["interactive", "batch"])
     assert not next(c for c in rep["checks"] if c["name"] == "recovered after the fault ended")["passed"]
+
+
+def test_only_the_baseline_counts_as_before_the_fault():
+    # A pool still shedding from start-up while the drill waited for it (0-1 s) is not the
+    # baseline's; shedding once the baseline load began (at 2 s) is.
+    exp, reqs, samples, marks = _kv_drill()
+    samples = [sample(s.t, s.pool, 3, "open") if s.pool == "batch" and s.t < 1.0 else s for s in samples]
+    before = "normal service before the fault"
+    marks.baseline = 2.0
+    rep = build_report("kv-cache", "synthetic", exp, reqs, samples, marks, ["interactive", "batch"])
+    assert next(c for c in rep["checks"] if c["name"] == before)["passed"]
+    marks.baseline = 0.5
+    rep = build_report("kv-cache", "synthetic", exp, reqs, samples, marks, ["interactive", "batch"])
+    assert not next(c for c in rep["checks"] if c["name"] == before)["passed"]

@@ -235,3 +235,56 @@ def test_cpu_load_is_averaged_over_its_window_with_a_fake_proc_stat():
     assert readings[4] == 0.0 and readings[5] == 0.0  # and leaves it
     # Half busy all along reads 0.5 every time.
     assert [round(step(0.5), 6) for _ in range(8)][-4:] == [0.5] * 4
+
+
+# The interactive pool's primary KV-cache use during the bench's overload (12 chats/s of 120-word
+# prompts, 32 MiB cache = 41 blocks, 8-10 running and 15-70 waiting), sampled at 10 Hz, 2.0-7.8 s.
+CHURNING_FULL_CACHE = [
+    0.98, 0.98, 0.98, 0.93, 0.93, 0.93, 0.93, 0.95, 0.95, 0.95, 0.95, 0.95, 0.95, 0.85, 0.73, 0.73, 0.46, 0.46, 0.46,
+    0.46, 0.46, 0.76, 0.76, 0.93, 0.93, 0.95, 0.95, 0.95, 0.95, 0.95, 0.98, 0.98, 0.85, 0.83, 0.83, 0.93, 0.93, 0.93,
+    0.8, 0.8, 0.51, 0.51, 0.51, 0.51, 0.51, 0.51, 0.8, 0.8, 0.98, 0.98, 0.98, 1.0, 0.9, 0.9, 0.9,
+]
+
+
+def _replay_kv(trace, repeats, read_every=0.25):
+    """Engine steps every 0.1 s from `trace` (repeated); a breaker with the local policy's
+    kv-cache settings observes the KvCache source every `read_every`; returns (breaker, readings)."""
+    from infermesh.sidecar.monitors import EngineStats, KvCache
+
+    clock = FakeClock()
+    stats = EngineStats()
+    src = KvCache(lambda: stats, clock=clock)
+    cfg = BreakerConfig(signal="kv_cache", trip_above=0.90, recover_below=0.50, sustain_s=2, recover_sustain_s=5,
+                        actions=["shed", "degrade"], escalate_after_s=0, half_open_timeout_s=5)
+    b = Breaker("kv-cache", cfg, clock)
+    readings, next_read = [], clock() + read_every
+    for u in trace * repeats:
+        clock.advance(0.1)
+        stats.record(u, running=8, waiting=40, now=clock())
+        if clock() >= next_read - 1e-9:
+            next_read += read_every
+            readings.append(src.read())
+            b.observe(readings[-1])
+    return b, readings, stats, src, clock
+
+
+def test_kv_cache_reads_the_peak_of_recent_steps_so_a_churning_full_cache_opens_the_breaker():
+    # The premise: the last step alone (the old reading) never stays above 0.90 for 2 s.
+    run = longest = 0
+    for u in CHURNING_FULL_CACHE * 2:
+        run = run + 1 if u > 0.90 else 0
+        longest = max(longest, run)
+    assert longest * 0.1 < 2.0
+    b, readings, stats, src, clock = _replay_kv(CHURNING_FULL_CACHE, 2)
+    assert b.state is State.OPEN and b.actions == ("shed", "degrade")
+    assert max(readings) == 1.0 and min(readings) >= 0.51
+    # Load gone: the engine's last steps are empty, and the reading follows within the window.
+    for _ in range(12):
+        clock.advance(0.1)
+        stats.record(0.0, running=0, waiting=0, now=clock())
+    assert src.read() == 0.0
+    assert len(stats.kv_steps) <= 51  # the engine keeps 5 s of steps, not all of them
+    # An idle engine stops reporting: its stale last reading counts as an empty cache.
+    clock.advance(3.0)
+    stats.kv_cache_usage = 0.7
+    assert src.read() == 0.0
