@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -83,6 +84,22 @@ def _skip(part: str):
     return skip
 
 
+def _keep_level_header(cfg: dict) -> None:
+    """Native routes without `response_headers_to_remove` of the sidecar's level header."""
+    for r in _routes(cfg):
+        r.pop("response_headers_to_remove", None)
+
+
+def _no_probes(cfg: dict) -> None:
+    """Degraded routing without the probe clusters: no timer, no callouts (the state table is fed
+    by the responses' level header alone)."""
+    conf = _wasm(cfg)["configuration"]
+    fc = json.loads(conf["value"])
+    for p in fc["degraded_routing"]["pools"].values():
+        p.pop("probe_cluster", None)
+    conf["value"] = json.dumps(fc, separators=(",", ":"), sort_keys=True)
+
+
 # Profile variants: a run_bench variant with one part changed or taken out, to attribute the
 # body path's cost part by part (docs/filter-benchmark.md, "Where the body path's time goes").
 SKIPS = {part: _skip(part) for part in ("none", "no-pause", "no-copy", "no-scan", "no-write")}
@@ -92,6 +109,8 @@ PROFILE = {
     "body-no-buffer-limit": ("body", _no_buffer_limit),
     "body-buffer-filter": ("body", _buffer_filter),
     "body-profile-module": ("body", SKIPS["none"]),
+    "headers-degraded-no-probe": ("headers-degraded", _no_probes),
+    "headers-only-keep-level": ("headers-only", _keep_level_header),
     **{f"body-{part}": ("body", SKIPS[part]) for part in ("no-pause", "no-copy", "no-scan", "no-write")},
 }
 VARIANTS = rb.VARIANTS + tuple(PROFILE)
@@ -144,7 +163,11 @@ def count(work: Path, name: str, sink_port: int, body: bytes, n: int, warmup: in
 
         send(warmup)  # warm-up: the VM and its JIT tiers, the connections, the route cache
         subprocess.run(["callgrind_control", "-i", "on", str(proc.p.pid)], check=True, capture_output=True)
+        t0 = time.monotonic()
         send(n)
+        # Work on a timer (probes, stats flushes) is counted per second, not per request: under
+        # callgrind requests run ~100x slower, so it weighs that much more per request here.
+        print(f"instructions: {name}: {n} requests in {time.monotonic() - t0:.1f} s under callgrind", file=sys.stderr, flush=True)
         subprocess.run(["callgrind_control", "-d", str(proc.p.pid)], check=True, capture_output=True)
         conn.close()
     finally:

@@ -9,6 +9,10 @@ Variants (each its own Envoy, --concurrency 1, in front of the same direct-respo
   headers-wasm    the same rules decided by the filter on every request (native rules off: the
                   form with trusted sources, and the one Istio's resources use)
   body            the filter with a body rule first, so it buffers and parses every chat body
+  headers-degraded  the header rules with the bundled policy's `when_degraded` (degraded_routing:
+                  interactive spills to batch, batch is shed): its classes are filter routes, so
+                  the filter decides every request, reads and strips the sink's level header in
+                  its response callback (shared-data CAS writes) and probes the idle batch pool
 The Istio form (istio_form.py: the gateway config istiod emits from the chart, replayed statically;
 compared with istio-no-filter, which always runs with them):
   istio-no-filter     the chart's gateway (VirtualService, DestinationRules) without the filter
@@ -50,6 +54,7 @@ import istio_form
 from infermesh import paths
 from infermesh.launcher import free_ports
 from infermesh.meshconfig.envoy_bootstrap import MeshListener, PoolEndpoint, bootstrap
+from infermesh.meshconfig.policy import load_policy
 
 # The Envoy under test gets core 1 to itself; the load generator and the sink share core 0, so
 # the tested Envoy's CPU time per request is not inflated by them.
@@ -73,6 +78,13 @@ BODY_RULES = dict(
         *HEADER_RULES["rules"],
     ],
 )
+
+
+# The bundled policy's degraded-mode routing (its pools are HEADER_RULES' pools), as the filter gets it.
+DEGRADED_RULES = dict(HEADER_RULES, degraded_routing=load_policy(paths.REPO_ROOT / "mesh-config" / "policies" / "local.yaml").degraded_routing())
+# What a sidecar reports on every response (x-infermesh-pool-level: POOL;LEVEL;REPLICA): level 0,
+# so the pool state table is written and read on the measured path but routing stays normal.
+POOL_LEVEL_HEADER = "x-infermesh-pool-level"
 
 
 def vegeta() -> str:
@@ -137,6 +149,23 @@ def wait_ready(admin_port: int, proc: Proc, timeout: float = 30) -> None:
     raise RuntimeError("envoy not ready: " + proc.log.read_text()[-2000:])
 
 
+def sink_virtual_hosts() -> list[dict]:
+    """Answer 200 with the level header of the pool the request was routed to, as a sidecar does:
+    by the `x-infermesh-pool` header the mesh added (a request without one, the no-filter Envoy's,
+    goes to the default pool, batch), a state probe by its authority (the filter sends the pool's name)."""
+    ok = {"status": 200, "body": {"inline_string": "{\"ok\":true}"}}
+
+    def answer(match: dict, pool: str) -> dict:
+        level = {"header": {"key": POOL_LEVEL_HEADER, "value": f"{pool};0;sink-0"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+        return {"match": match, "direct_response": ok, "response_headers_to_add": [level]}
+
+    pools = list(HEADER_RULES["classes"])
+    probes = [{"name": p, "domains": [p], "routes": [answer({"prefix": "/"}, p)]} for p in pools]
+    routed = [answer({"prefix": "/", "headers": [{"name": "x-infermesh-pool", "string_match": {"exact": p}}]}, p) for p in pools]
+    default = HEADER_RULES["classes"][HEADER_RULES["default_class"]]["pool"]
+    return probes + [{"name": "all", "domains": ["*"], "routes": routed + [answer({"prefix": "/"}, default)]}]
+
+
 def start_sink(work: Path) -> tuple[Proc, int]:
     port, admin = free_ports(2)
     cfg = {
@@ -150,8 +179,7 @@ def start_sink(work: Path) -> tuple[Proc, int]:
                 "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                     "stat_prefix": "sink",
-                    "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
-                        {"match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": "{\"ok\":true}"}}}]}]},
+                    "route_config": {"virtual_hosts": sink_virtual_hosts()},
                     # Read the whole request before answering, as a real upstream (vLLM) does:
                     # an answer before the body's end makes Envoy close the upstream connection,
                     # so every request would open a new one (docs/filter-benchmark.md).
@@ -178,7 +206,7 @@ ISTIO_VARIANTS = {
     "istio-headers-wasm": ("header-rules-wasmplugin", True),
     "istio-body": ("body-rules", True),
 }
-VARIANTS = ("no-filter", "wasm-noop", "headers-only", "headers-wasm", "body", *ISTIO_VARIANTS)
+VARIANTS = ("no-filter", "wasm-noop", "headers-only", "headers-wasm", "headers-degraded", "body", *ISTIO_VARIANTS)
 # The captured gateway config of each chart form (istio_form.capture), filled by main().
 ISTIO_CAPTURED: dict[str, dict] = {}
 
@@ -198,13 +226,13 @@ def write_variant_config(path: Path, name: str, port: int, admin: int, sink_port
         path.write_text(json.dumps(istio_form.static_bootstrap(ISTIO_CAPTURED[form], port, admin, with_filter=with_filter)))
         return
     cfg = {"no-filter": HEADER_RULES, "paired-base": HEADER_RULES, "wasm-noop": HEADER_RULES, "headers-only": HEADER_RULES,
-           "headers-wasm": HEADER_RULES, "body": BODY_RULES}[name]
+           "headers-wasm": HEADER_RULES, "headers-degraded": DEGRADED_RULES, "body": BODY_RULES}[name]
     wasm = (modules or {})[label] if label else NOOP_WASM if name == "wasm-noop" else paths.filter_wasm()
     m = MeshListener("127.0.0.1", port, admin, wasm, cfg,
                      [PoolEndpoint("interactive", "127.0.0.1", sink_port), PoolEndpoint("batch", "127.0.0.1", sink_port)], "batch",
                      wasm_runtime=runtime,
                      # The baselines run the filter on every request, as before native rules.
-                     native_rules=name in ("headers-only", "body"))
+                     native_rules=name in ("headers-only", "headers-degraded", "body"))
     b = bootstrap(m)
     if name in ("no-filter", "paired-base"):
         hcm = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
@@ -229,7 +257,28 @@ def start_variant(work: Path, name: str, sink_port: int, runtime: str, modules: 
     write_variant_config(path, name, port, admin, sink_port, runtime, modules)
     proc = Proc(PIN_TESTED + [str(paths.envoy_binary()), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "error"], work / f"{name}.log")
     wait_ready(admin, proc)
+    # Envoy alone passes it on, as it would; the Istio forms' stripping is e2e/test_istiod_e2e.py's.
+    if name not in ("no-filter", "paired-base") and name.partition("@")[0] not in ISTIO_VARIANTS:
+        check_level_header(port, admin, work, name)
     return proc, port
+
+
+def check_level_header(port: int, admin: int, work: Path, name: str) -> None:
+    """The sink's level header never reaches the client, and a variant with degraded routing
+    uses every reading and probe (no pool_state_errors): else it would not measure that path."""
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("POST", "/v1/chat/completions", body=b"{}", headers={"content-type": "application/json"})
+    r = c.getresponse()
+    r.read()
+    c.close()
+    if r.getheader(POOL_LEVEL_HEADER) is not None:
+        raise RuntimeError(f"{name}: the client got {POOL_LEVEL_HEADER}: {r.getheader(POOL_LEVEL_HEADER)}")
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=pool_state_errors", timeout=5) as s:
+        errors = [line for line in s.read().decode().splitlines() if not line.endswith(": 0")]
+    if errors:
+        raise RuntimeError(f"{name}: pool state errors {errors}")
 
 
 def cpu_seconds(pid: int) -> float:

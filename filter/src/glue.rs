@@ -7,8 +7,8 @@
 //!
 //! Degraded-mode routing (`degraded_routing` in the config): the pool state table of
 //! `pool_state.rs` lives in proxy-wasm shared data, one record per pool, written with CAS by
-//! every worker; it is fed by the `x-infermesh-pool-level` header of upstream responses (read
-//! and stripped in the response callback) and by a probe of each pool's state endpoint on the
+//! every worker; it is fed by the `x-infermesh-pool-level` header of upstream responses (stripped
+//! in the response callback, and read on one response per pool every SAMPLE_MS) and by a probe of each pool's state endpoint on the
 //! root context's timer. After the decision, `when_degraded` sheds or spills the request.
 
 use crate::body::parse_body;
@@ -17,11 +17,11 @@ use crate::config::{
     DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, HEADER_SPILLED_FROM,
     INTERNAL_HEADER_PREFIX,
 };
-use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError, Verdict, HEADER_POOL_LEVEL};
+use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError, RecentWrites, ResponseSampler, Verdict, HEADER_POOL_LEVEL};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
@@ -203,6 +203,8 @@ const VIEW_MS: u64 = 100;
 /// A worker rewrites an unchanged reading of a replica at most this often: fresh enough for the
 /// staleness bound, without a shared-data write per response.
 const REWRITE_MS: u64 = 250;
+/// A worker reads the level header of one response per pool this often (`ResponseSampler`).
+const SAMPLE_MS: u64 = 10;
 /// CAS attempts per write before it is given up (and counted): another worker keeps winning.
 const CAS_TRIES: usize = 4;
 
@@ -211,8 +213,10 @@ const CAS_TRIES: usize = 4;
 struct PoolStates {
     /// pool -> (read at, degraded).
     view: RefCell<HashMap<String, (u64, bool)>>,
-    /// (pool, replica) -> (level, written at).
-    written: RefCell<HashMap<(String, String), (u8, u64)>>,
+    /// The readings this worker wrote lately (skipped while unchanged).
+    written: RefCell<RecentWrites>,
+    /// Which responses' level header this worker reads.
+    sampled: RefCell<ResponseSampler>,
 }
 
 impl PoolStates {
@@ -249,6 +253,9 @@ impl PoolStates {
 
     /// One `x-infermesh-pool-level` value, from a response or a probe.
     fn report(&self, cfg: &DegradedRouting, metrics: &Metrics, value: &str, now: u64) {
+        if self.written.borrow().fresh(value, now, REWRITE_MS) {
+            return;
+        }
         let r = match parse_report(value) {
             Ok(r) => r,
             Err(e) => return metrics.state_error(e.into()),
@@ -257,17 +264,11 @@ impl PoolStates {
             Some(p) => p,
             None => return metrics.state_error(StateError::UnknownPool),
         };
-        let key = (r.pool.to_string(), r.replica.to_string());
-        if let Some((level, at)) = self.written.borrow().get(&key) {
-            if *level == r.level && now.saturating_sub(*at) < REWRITE_MS {
-                return;
-            }
-        }
         for _ in 0..CAS_TRIES {
             let (mut rec, cas) = Self::read(metrics, r.pool);
             rec.observe(&p.rule, r.replica, r.level, now);
             if hostcalls::set_shared_data(&state_key(r.pool), Some(&rec.encode()), cas).is_ok() {
-                self.written.borrow_mut().insert(key, (r.level, now));
+                self.written.borrow_mut().wrote(value, &r, now);
                 self.view.borrow_mut().insert(r.pool.to_string(), (now, rec.degraded(&p.rule, now)));
                 return;
             }
@@ -420,6 +421,7 @@ impl RootContext for Root {
             headers: Headers { all: Vec::new() },
             waiting_for_body: false,
             internal_in_request: false,
+            read_level: Cell::new(true),
         }))
     }
 
@@ -461,6 +463,9 @@ struct Request {
     /// Whether Envoy's header map may still hold an `x-infermesh-*` header (a trusted peer's
     /// partial decision); when not, the decision's headers are added without a lookup each.
     internal_in_request: bool,
+    /// Whether the response's level header is read (degraded routing samples responses per
+    /// pool; a request not routed by `write`, e.g. a trusted peer's, is always read).
+    read_level: Cell<bool>,
 }
 
 impl Request {
@@ -506,8 +511,9 @@ impl Request {
             let now = now_ms();
             let verdict = dr.verdict(d.class, d.pool, generates, &mut |p| self.states.is_degraded(dr, &self.metrics, p, now));
             match verdict {
-                Verdict::Normal => {}
+                Verdict::Normal => self.read_level.set(self.states.sampled.borrow_mut().due(pool, now, SAMPLE_MS)),
                 Verdict::Spill(to) => {
+                    self.read_level.set(self.states.sampled.borrow_mut().due(to, now, SAMPLE_MS));
                     pool = to;
                     bump(self.metrics.spilled.get(d.pool).copied().flatten());
                     self.set_http_request_header(HEADER_SPILLED_FROM, Some(d.pool));
@@ -682,12 +688,18 @@ impl HttpContext for Request {
         if cfg!(feature = "bench-noop") {
             return Action::Continue;
         }
-        // The replica's level is for the mesh only: never passed on to the client.
-        if let Some(value) = self.get_http_response_header(HEADER_POOL_LEVEL) {
-            self.set_http_response_header(HEADER_POOL_LEVEL, None);
-            if let Some(d) = self.config.as_ref().and_then(|c| c.degraded.as_ref()) {
-                self.states.report(d, &self.metrics, &value, now_ms());
+        // The replica's level is for the mesh only: never passed on to the client. Without
+        // degraded routing it is only removed (reading it would cost a copy into the VM).
+        match self.config.as_ref().and_then(|c| c.degraded.as_ref()) {
+            Some(d) => {
+                if !self.read_level.get() {
+                    self.set_http_response_header(HEADER_POOL_LEVEL, None);
+                } else if let Some(value) = self.get_http_response_header(HEADER_POOL_LEVEL) {
+                    self.set_http_response_header(HEADER_POOL_LEVEL, None);
+                    self.states.report(d, &self.metrics, &value, now_ms());
+                }
             }
+            None => self.set_http_response_header(HEADER_POOL_LEVEL, None),
         }
         Action::Continue
     }

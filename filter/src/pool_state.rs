@@ -160,6 +160,63 @@ impl PoolRecord {
     }
 }
 
+/// Values a worker remembers writing; past this it forgets them all (bounds the map).
+const MAX_RECENT: usize = 1024;
+
+/// A worker's memory of the readings it wrote to shared data lately, keyed by the raw header value
+/// (`POOL;LEVEL;REPLICA`): a response that repeats a reading written less than `rewrite_ms` ago is
+/// dropped with one map lookup, before it is parsed (nearly every response, under traffic). At
+/// most one value per (pool, replica) is kept, so a level that changes and changes back is
+/// written again.
+#[derive(Debug, Default)]
+pub struct RecentWrites {
+    at: std::collections::HashMap<String, u64>,
+}
+
+impl RecentWrites {
+    /// Whether `value` was written less than `rewrite_ms` before `now` (or by a clock ahead of it).
+    pub fn fresh(&self, value: &str, now: u64, rewrite_ms: u64) -> bool {
+        self.at.get(value).map_or(false, |at| now.saturating_sub(*at) < rewrite_ms)
+    }
+
+    /// `value` (which parsed as `report`) was written at `now`.
+    pub fn wrote(&mut self, value: &str, report: &Report<'_>, now: u64) {
+        if self.at.len() >= MAX_RECENT {
+            self.at.clear();
+        }
+        self.at.retain(|v, _| parse_report(v).map_or(true, |r| r.pool != report.pool || r.replica != report.replica));
+        self.at.insert(value.to_string(), now);
+    }
+}
+
+/// Which responses a worker reads the level header of: at most one per pool every `every_ms`
+/// (claimed when the request is routed). Reading a header copies it into the VM, which costs as
+/// much as the rest of the state table; under traffic a pool's level is still read within
+/// `every_ms` of a change and, at 100 reads a second per worker, a pool of 64 replicas keeps
+/// every replica's reading well inside the staleness bound. Unread responses only lose the header.
+#[derive(Debug, Default)]
+pub struct ResponseSampler {
+    last: std::collections::HashMap<String, u64>,
+}
+
+impl ResponseSampler {
+    /// Whether the response to a request routed to `pool` at `now` is read; if so, it claims the slot.
+    pub fn due(&mut self, pool: &str, now: u64, every_ms: u64) -> bool {
+        match self.last.get_mut(pool) {
+            // A clock that went back is due at once rather than stuck until it catches up.
+            Some(at) if now >= *at && now - *at < every_ms => false,
+            Some(at) => {
+                *at = now;
+                true
+            }
+            None => {
+                self.last.insert(pool.to_string(), now);
+                true
+            }
+        }
+    }
+}
+
 /// What `when_degraded` does to one request, given which pools are degraded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict<'a> {
@@ -298,6 +355,41 @@ mod tests {
         for bad in [&b"r 9 1 0\n"[..], b"r 1 x 0\n", b"r 1 1\n", b"r 1 1 1 1\n", b"\xff 1 1 1\n", b"r/ 1 1 1\n"] {
             assert_eq!(PoolRecord::decode(bad), None, "{:?}", String::from_utf8_lossy(bad));
         }
+    }
+
+    #[test]
+    fn a_repeated_reading_is_skipped_until_it_is_due_and_a_changed_one_never() {
+        let mut w = RecentWrites::default();
+        let (a3, a0, b3) = ("gpu;3;a", "gpu;0;a", "gpu;3;b");
+        assert!(!w.fresh(a3, 1000, 250), "never written");
+        w.wrote(a3, &parse_report(a3).unwrap(), 1000);
+        assert!(w.fresh(a3, 1249, 250));
+        assert!(!w.fresh(a3, 1250, 250), "due for a rewrite (the staleness bound)");
+        assert!(w.fresh(a3, 900, 250), "a clock behind the write: still fresh");
+        assert!(!w.fresh(a0, 1100, 250), "another level of the same replica is written at once");
+        w.wrote(b3, &parse_report(b3).unwrap(), 1100);
+        w.wrote(a0, &parse_report(a0).unwrap(), 1100);
+        assert!(!w.fresh(a3, 1150, 250), "3 -> 0 -> 3 inside the window: the 3 is written again");
+        assert!(w.fresh(b3, 1150, 250), "another replica's reading is kept");
+        for i in 0..(MAX_RECENT + 5) {
+            let v = format!("gpu;1;r{i}");
+            w.wrote(&v, &parse_report(&v).unwrap(), 2000);
+        }
+        assert!(w.at.len() <= MAX_RECENT, "bounded: {}", w.at.len());
+    }
+
+    #[test]
+    fn one_response_per_pool_and_interval_is_read() {
+        let mut s = ResponseSampler::default();
+        assert!(s.due("gpu", 1000, 10), "the first response of a pool");
+        assert!(!s.due("gpu", 1000, 10));
+        assert!(!s.due("gpu", 1009, 10));
+        assert!(s.due("cheap", 1009, 10), "each pool has its own slot");
+        assert!(s.due("gpu", 1010, 10), "the next interval");
+        assert!(!s.due("gpu", 1015, 10));
+        assert!(s.due("gpu", 500, 10), "a clock that went back");
+        let reads = (0..1000u64).filter(|i| s.due("gpu", 2000 + i / 10, 10)).count();
+        assert_eq!(reads, 10, "1000 responses over 100 ms: one read per 10 ms");
     }
 
     #[test]
