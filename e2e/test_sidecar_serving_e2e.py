@@ -1,7 +1,8 @@
 """e2e: the sidecar's serving contract against real vLLM, with the real openai SDK and grpcio.
 
-n > 1, client disconnects and gRPC deadlines abort the vLLM request (checked with vLLM's own
-count of unfinished requests), duplicate request ids, the gRPC Admin service, and SIGTERM drain.
+n > 1, client disconnects, gRPC deadlines and the mesh's TTFT give-up limit (streamed or not)
+abort the vLLM request (checked with vLLM's own count of unfinished requests), duplicate request
+ids, the gRPC Admin service, and SIGTERM drain.
 """
 
 from __future__ import annotations
@@ -82,6 +83,31 @@ def test_grpc_deadline_and_cancel_abort_the_request(local_mesh):
         next(call)
         call.cancel()
         wait_for(lambda: engines(mesh, "interactive")["tiny-llama-large"]["unfinished"] == 0, 10, what="abort after cancel")
+
+
+def test_no_first_token_at_the_give_up_limit_is_a_504_and_an_abort_streamed_or_not(local_mesh):
+    """The sidecar's side of a hedging class's give-up (docs/replicas.md): Envoy's route sets
+    `x-infermesh-ttft-give-up-ms` (a client's own is stripped), so it is sent to the sidecar here,
+    with the primary engine stalled (SIGSTOP) so that no first token can come."""
+    mesh = local_mesh
+    model = "tiny-llama-large"
+    assert wait_for(lambda: engines(mesh, "interactive")[model]["unfinished"] == 0, 30, what="an idle engine")
+    admin = mesh.admin_url("interactive")
+    r = httpx.put(admin + "/admin/faults/stall", json={"value": 0.95, "duration_s": 20, "period_s": 10}, timeout=5)
+    assert r.status_code == 200, r.text
+    try:
+        for stream in (False, True):
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": stream}
+            r = httpx.post(mesh.sidecar_url("interactive") + "/v1/chat/completions", json=body, timeout=30,
+                           headers={"x-infermesh-ttft-give-up-ms": "1000"})
+            assert r.status_code == 504, (stream, r.text)
+            assert r.json()["error"]["code"] == "ttft_deadline_exceeded" and r.headers["retry-after"] == "1"
+            assert r.elapsed.total_seconds() < 5, r.elapsed
+            # Still stalled (9.5 s of every 10): vLLM cannot have finished it, so it was aborted.
+            assert engines(mesh, "interactive")[model]["unfinished"] == 0, stream
+    finally:
+        httpx.delete(admin + "/admin/faults/stall", timeout=5)
+    wait_for(lambda: mesh.admin_state("interactive")["level"] == 0, 60, every=1, what="the pool back to level 0")
 
 
 def test_duplicate_request_id_is_rejected_while_in_flight(local_mesh):

@@ -5,8 +5,8 @@ adds (x-infermesh-* headers, usage.infermesh) is the only difference allowed. Pl
 `openai` SDK through Envoy: tool calls, a JSON-schema response, logprobs.
 
 Every request names `tiny-llama-small`: chat is routed to the interactive pool, completions to
-the batch pool, and both serve that model (policy-e2e.yaml gives it the hermes tool parser and
-auto tool choice, as the reference server's flags do).
+the batch pool, and both serve that model (policy-e2e.yaml gives it the hermes tool parser, auto
+tool choice and compact JSON on xgrammar, as the reference server's flags do).
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ CASES: dict[str, tuple[str, dict]] = {
     "chat-tools-required-stream": chat(tools=[WEATHER], tool_choice="required", max_tokens=24, stream=True),
     "chat-json-object": chat(response_format={"type": "json_object"}, max_tokens=16),
     "chat-json-schema": chat(response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}, max_tokens=24),
+    # Long enough for the newlines this model prefers between JSON tokens, which compact JSON
+    # (the model's disable_any_whitespace) rules out: test_compact_json_is_the_models_setting.
+    "chat-json-schema-compact": chat(response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}},
+                                     max_tokens=64),
     "chat-logprobs": chat(logprobs=True, top_logprobs=3),
     "chat-penalties": chat(presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.3),
     "chat-logit-bias": chat(logit_bias={"5": 100}),
@@ -102,7 +106,8 @@ def vllm_serve(local_mesh):
     local_mesh._spawn("vllm-serve-reference", [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--served-model-name", MODEL,
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024", "--kv-cache-memory-bytes", str(12 << 20),
-        "--enforce-eager", "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--disable-uvicorn-access-log"])
+        "--enforce-eager", "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--disable-uvicorn-access-log",
+        "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})])
     url = f"http://127.0.0.1:{port}"
 
     def ready():
@@ -191,6 +196,17 @@ def test_the_mesh_answers_as_vllm_serve_does(local_mesh, vllm_serve, case):
     assert got == want, f"{case}: the mesh differs from vllm serve"
     if got_status == 200 and isinstance(got_body, dict):
         assert got_body["usage"]["infermesh"]["model"] == MODEL
+
+
+def test_compact_json_is_the_models_setting(local_mesh, vllm_serve):
+    """disable_any_whitespace, a per-model setting: no whitespace between JSON tokens from either
+    server (a raw newline cannot be inside a JSON string, so none may appear at all)."""
+    path, body = CASES["chat-json-schema-compact"]
+    for base in (vllm_serve, local_mesh.base_url):
+        status, answer = post(base, path, body, shed_wait_s=120)
+        assert status == 200, answer
+        content = answer["choices"][0]["message"]["content"]
+        assert content.startswith("{") and "\n" not in content and not content.startswith("{ "), (base, content)
 
 
 def test_openai_sdk_tool_calls_json_schema_and_logprobs_through_envoy(local_mesh, vllm_serve):

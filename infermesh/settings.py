@@ -96,6 +96,9 @@ class ClassSettings(Strict):
 # ---- per model ------------------------------------------------------------------------------
 
 Dtype = Literal["auto", "bfloat16", "float16", "half", "float32", "float"]
+StructuredOutputsBackend = Literal["auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"]
+"""vLLM 0.32's structured-output backends (vllm.config.structured_outputs; the contract test pins them)."""
+COMPACT_JSON_BACKENDS = ("xgrammar", "guidance")
 
 
 class ModelSettings(Strict):
@@ -132,6 +135,23 @@ class ModelSettings(Strict):
     """Where default sampling settings come from (vLLM's `--generation-config`): `auto` the model's
     generation_config.json, `vllm` vLLM's neutral defaults, or a folder holding a
     generation_config.json. A request's own settings win."""
+    structured_outputs_backend: StructuredOutputsBackend = "auto"
+    """Which library runs structured outputs (JSON schema, regex, choice, tool-call constraints)
+    for this model (vLLM's `--structured-outputs-config.backend`); `auto`: vLLM's choice per request."""
+    disable_any_whitespace: bool = False
+    """JSON output always compact, no whitespace between its tokens (vLLM's
+    `--structured-outputs-config.disable_any_whitespace`). Needs `structured_outputs_backend`
+    xgrammar or guidance, as vLLM's flag does."""
+
+    @field_validator("disable_any_whitespace")
+    @classmethod
+    def _compact_json_needs_a_backend(cls, on: bool, info: ValidationInfo) -> bool:
+        # vLLM refuses the same pair at engine start (StructuredOutputsConfig); a bad backend was reported already.
+        backend = info.data.get("structured_outputs_backend")
+        if on and backend is not None and backend not in COMPACT_JSON_BACKENDS:
+            raise ValueError(f"disable_any_whitespace requires structured_outputs_backend {' or '.join(COMPACT_JSON_BACKENDS)} "
+                             f"(as vLLM's --structured-outputs-config does), not {backend!r}")
+        return on
 
     @field_validator("chat_template")
     @classmethod

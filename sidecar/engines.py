@@ -71,6 +71,7 @@ class ModelEngine:
         a request's own values win, as in vLLM's server."""
 
     def start(self) -> None:
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -95,6 +96,8 @@ class ModelEngine:
             generation_config=m.generation_config,
             # Also where vLLM's structured outputs learn where the reasoning ends (as `vllm serve`).
             reasoning_parser=m.reasoning_parser or "",
+            structured_outputs_config=StructuredOutputsConfig(backend=m.structured_outputs_backend,
+                                                              disable_any_whitespace=m.disable_any_whitespace),
         )
         sink = self.stats
 

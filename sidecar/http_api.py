@@ -14,6 +14,8 @@ and response building answer every request (vllm_serving.py), so a client writte
   header or body `priority` / `request_id`: the class decides.
 - response headers only once the first token (or an error) is ready, so an error before the first
   token is a real status and Envoy's per-try timeout is a TTFT deadline;
+- no first token by the mesh's give-up limit (`x-infermesh-ttft-give-up-ms`), streamed or not:
+  504 `ttft_deadline_exceeded` and the vLLM request aborted;
 - `x-infermesh-*` headers (response_headers.identity_headers) and `usage.infermesh`;
 - a client that hangs up, streaming or not, releases its vLLM request at once.
 """
@@ -148,12 +150,33 @@ async def _until_disconnect(request: Request, work: Awaitable) -> tuple[bool, An
         watch.cancel()
     if task.done():
         return True, task.result()
+    await _cancel(task)
+    return False, None
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    """Cancel `task` and wait until it has unwound (its vLLM generation closed)."""
     task.cancel()
     try:
         await task
     except (asyncio.CancelledError, Exception):
         pass
-    return False, None
+
+
+async def _first_token_in_time(life: RequestLifecycle, work: Awaitable, clock: Callable[[], float]) -> Any:
+    """`work`'s result, or DeadlineExceeded (`work` cancelled) when the request's TTFT give-up limit
+    passes before its first token: a non-streamed request sends nothing before its end, so the
+    front watches the lifecycle's first token (a stream's first chunk is timed in _start_stream)."""
+    task = asyncio.ensure_future(work)
+    try:
+        if life.req.ttft_give_up_s is not None:
+            await asyncio.wait((task,), timeout=max(0.0, life.first_token_deadline() - clock()))
+            if not task.done() and not life.first_token_seen:
+                raise life.gave_up()
+        return await task
+    finally:
+        if not task.done():
+            await _cancel(task)
 
 
 def _infermesh_usage(pool: Pool, life: RequestLifecycle) -> dict:
@@ -305,7 +328,10 @@ def build_app(pool: Pool) -> FastAPI:
         streaming = False
         try:
             try:
-                present, out = await _until_disconnect(request, api.call(serving.of(engine), req))
+                present, out = await _until_disconnect(request, _first_token_in_time(life, api.call(serving.of(engine), req), pool.clock))
+            except DeadlineExceeded as e:  # a non-streamed request without a first token at its limit: vLLM aborts
+                await life.close(e)
+                return _error_response(e, headers())
             except Exception as e:  # vLLM's exception handlers' answer (4xx for the client's faults)
                 resp = _VllmErrors.of(e)
                 await life.close(status=str(resp.status_code))
@@ -336,13 +362,12 @@ def build_app(pool: Pool) -> FastAPI:
     async def _start_stream(request: Request, api: Api, gen: AsyncIterator[str], life: RequestLifecycle, headers: Callable[[], dict]) -> Response:
         # Headers go out with the first content (vLLM's role chunk comes with the first token):
         # an error before it is a real status.
-        limit = life.req.ttft_give_up_s
-        first_chunk = _first(gen) if limit is None else asyncio.wait_for(_first(gen), max(0.0, life.first_token_deadline() - pool.clock()))
+        first_chunk = _first(gen) if life.req.ttft_give_up_s is None else asyncio.wait_for(_first(gen), max(0.0, life.first_token_deadline() - pool.clock()))
         try:
             present, first = await _until_disconnect(request, first_chunk)
         except asyncio.TimeoutError:  # the mesh's TTFT limit (x-infermesh-ttft-give-up-ms) passed: 504, vLLM aborts
             await gen.aclose()
-            e = DeadlineExceeded(f"no first token within {limit * 1000:.0f} ms", code="ttft_deadline_exceeded", retry_after_s=1)
+            e = life.gave_up()
             await life.close(e)
             return _error_response(e, headers())
         except Exception as e:

@@ -101,9 +101,18 @@ class RequestLifecycle:
         await self.close(exc)
         return False
 
+    @property
+    def first_token_seen(self) -> bool:
+        return self._first_token_at is not None
+
     def first_token_deadline(self) -> float:
         """When the request's TTFT limit (`req.ttft_give_up_s`, set) ends, on the pool's clock."""
         return self._admitted_at + (self.req.ttft_give_up_s or 0.0)
+
+    def gave_up(self) -> DeadlineExceeded:
+        """The error of a request without a first token at its TTFT limit (docs/replicas.md)."""
+        return DeadlineExceeded(f"no first token within {(self.req.ttft_give_up_s or 0) * 1000:.0f} ms",
+                                code="ttft_deadline_exceeded", retry_after_s=1)
 
     @property
     def request_id(self) -> str:
@@ -150,6 +159,13 @@ class RequestLifecycle:
         adm = self.admit()
         pool = self.pool
         kwargs["priority"] = pool.config.classes[adm.request_class].vllm_priority or 0
+        # A non-streamed request under a TTFT give-up limit must show its first token when it
+        # comes (the front gives up only without one): vLLM's cumulative outputs, of which only
+        # the final one, with every choice (as FINAL_ONLY gathers them), goes on to vLLM's layer.
+        gather = self.req.ttft_give_up_s is not None and getattr(params, "output_kind", None) == RequestOutputKind.FINAL_ONLY
+        if gather:
+            params.output_kind = RequestOutputKind.CUMULATIVE
+        latest: dict[int, object] = {}  # each choice's last output (gather)
         delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
         self._submitted = True
         self._vllm_ids.add(vllm_request_id)
@@ -175,6 +191,11 @@ class RequestLifecycle:
                     if not self._vllm_ids:
                         self._outputs_done = True
                         pool.window.record_outcome(failed=False)
+                if gather:
+                    latest.update((o.index, o) for o in out.outputs)
+                    if not out.finished:
+                        continue
+                    out.outputs = [latest[i] for i in sorted(latest)]
                 yield out
                 if new and delta and not out.finished and (wait := self._pause_s()) > 0:
                     await asyncio.sleep(wait)
@@ -228,8 +249,7 @@ class RequestLifecycle:
         except StopAsyncIteration:
             return
         except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"no first token within {limit * 1000:.0f} ms", code="ttft_deadline_exceeded",
-                                   retry_after_s=1) from None
+            raise self.gave_up() from None
         yield first
         async for ev in gen:
             yield ev

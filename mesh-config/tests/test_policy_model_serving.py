@@ -1,5 +1,5 @@
 """Per-model serving settings of the policy (chat template, tool-call and reasoning parsers, chat
-template kwargs, generation config): checked like every other field (file, line, field), parser
+template kwargs, generation config, structured-output backend and compact JSON): checked like every other field (file, line, field), parser
 names against vLLM's own registries, and carried unchanged into each pool's sidecar config."""
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ enable_auto_tool_choice: true
 reasoning_parser: deepseek_r1
 default_chat_template_kwargs: {enable_thinking: false, persona: {name: ada}}
 generation_config: vllm
+structured_outputs_backend: guidance
+disable_any_whitespace: true
 """
 
 
@@ -49,6 +51,7 @@ def test_the_settings_are_read_and_reach_the_sidecar_config(tmp_path):
     assert (m.tool_call_parser, m.enable_auto_tool_choice, m.reasoning_parser) == ("hermes", True, "deepseek_r1")
     assert m.default_chat_template_kwargs == {"enable_thinking": False, "persona": {"name": "ada"}}
     assert m.generation_config == "vllm"
+    assert (m.structured_outputs_backend, m.disable_any_whitespace) == ("guidance", True)
     cfg = SidecarConfig.model_validate(policy.sidecar_config("interactive", tmp_path)).models[1]
     assert cfg.model_dump(exclude={"path"}) == m.model_dump(exclude={"path"})
 
@@ -57,6 +60,7 @@ def test_defaults_are_vllms():
     m = parse_policy(GOOD, "p.yaml").pools["interactive"].models[1]
     assert (m.chat_template, m.tool_call_parser, m.enable_auto_tool_choice, m.reasoning_parser) == (None, None, False, None)
     assert m.default_chat_template_kwargs == {} and m.generation_config == "auto"
+    assert (m.structured_outputs_backend, m.disable_any_whitespace) == ("auto", False)
 
 
 def test_a_path_or_a_bundled_template_name_is_left_to_the_sidecar():
@@ -76,11 +80,15 @@ def test_a_path_or_a_bundled_template_name_is_left_to_the_sidecar():
     ("default_chat_template_kwargs: [enable_thinking]", "default_chat_template_kwargs", "valid dictionary"),
     ("generation_config: ''", "generation_config", "at least 1 character"),
     ("tool_parser: hermes", "tool_parser", "Extra inputs are not permitted"),
+    ("structured_outputs_backend: outline", "structured_outputs_backend", "'auto', 'xgrammar', 'guidance', 'outlines' or 'lm-format-enforcer'"),
+    ("disable_any_whitespace: true", "disable_any_whitespace", "requires structured_outputs_backend xgrammar or guidance"),
+    ("structured_outputs_backend: outlines\ndisable_any_whitespace: true", "disable_any_whitespace", "not 'outlines'"),
+    ("disable_any_whitespace: sometimes", "disable_any_whitespace", "valid boolean"),
 ])
 def test_a_bad_setting_is_refused_by_file_line_and_field(fields, field, message):
     text = with_model(fields)
     (line, got_field, msg), = problems(text)
-    assert (got_field, line) == (FIELD + field, line_of(text, fields.split(":")[0]))
+    assert (got_field, line) == (FIELD + field, line_of(text, field + ":"))
     assert message in msg
 
 
@@ -92,3 +100,21 @@ def test_parser_names_are_vllms_registries():
     assert vllm_parser_names("reasoning") == tuple(ReasoningParserManager.list_registered())
     assert {"hermes", "llama3_json", "pythonic"} <= set(vllm_parser_names("tool"))
     assert {"deepseek_r1", "qwen3"} <= set(vllm_parser_names("reasoning"))
+
+
+def test_structured_output_settings_are_vllms():
+    """The backends vLLM accepts, and its own refusal of compact JSON on a backend without it."""
+    import typing
+
+    from vllm.config import StructuredOutputsConfig
+    from vllm.config.structured_outputs import StructuredOutputsBackend as Vllm
+
+    from infermesh.settings import COMPACT_JSON_BACKENDS, StructuredOutputsBackend
+
+    assert typing.get_args(StructuredOutputsBackend) == typing.get_args(Vllm)
+    for backend in typing.get_args(Vllm):
+        if backend in COMPACT_JSON_BACKENDS:
+            StructuredOutputsConfig(backend=backend, disable_any_whitespace=True)
+        else:
+            with pytest.raises(ValueError, match="disable_any_whitespace"):
+                StructuredOutputsConfig(backend=backend, disable_any_whitespace=True)

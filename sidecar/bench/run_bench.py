@@ -342,8 +342,8 @@ def report(rounds: list[dict[str, dict]]) -> dict:
         return statistics.median(xs), min(xs), max(xs)
 
     summary = {v: {k: statistics.median(r[v][k] for r in rounds) for k in rounds[0][v]} for v in VARIANTS}
-    def ratio(a: str, b: str) -> tuple[float, float, float]:
-        return med(lambda r: r[a]["tokens_per_s"] / r[b]["tokens_per_s"])
+    def ratio(a: str, b: str, key: str = "tokens_per_s") -> tuple[float, float, float]:
+        return med(lambda r: r[a][key] / r[b][key])
 
     def added(a: str, b: str, key: str, b_key: str | None = None) -> tuple[float, float, float]:
         return med(lambda r: r[a][key] - r[b][b_key or key])
@@ -362,6 +362,9 @@ def report(rounds: list[dict[str, dict]]) -> dict:
         "http_front_overhead_p50_ms": own("sidecar-http", "front_overhead_p50_ms"),
         "http_vs_vllm_serve_tokens": ratio("sidecar-http", "vllm-serve"),
         "http_vs_vllm_serve_lone_ttft_p50_ms": added("sidecar-http", "vllm-serve", "lone_ttft_p50_ms"),
+        "http_vs_vllm_serve_ttft_p50": ratio("sidecar-http", "vllm-serve", "ttft_p50_ms"),
+        "http_vs_vllm_serve_ttft_p99": ratio("sidecar-http", "vllm-serve", "ttft_p99_ms"),
+        "http_vs_vllm_serve_lone_ttft_p50": ratio("sidecar-http", "vllm-serve", "lone_ttft_p50_ms"),
         "http_vs_in_process_tokens": ratio("sidecar-http", "in-process"),
         "vllm_serve_vs_in_process_tokens": ratio("vllm-serve", "in-process"),
     }

@@ -51,7 +51,8 @@ def test_a_stream_still_begins_with_its_first_token(make_vllm_pool):
     assert lines[1]["choices"][0]["delta"] == {"content": "Hello"}
 
 
-async def _asgi(app, body: bytes, disconnect_after: float | None, opened: asyncio.Event | None = None, open_after: float = 0):
+async def _asgi(app, body: bytes, disconnect_after: float | None, opened: asyncio.Event | None = None, open_after: float = 0,
+                headers: list[tuple[bytes, bytes]] = ()):
     """Drive the app over raw ASGI; returns (seconds until the response start, messages sent)."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -71,7 +72,7 @@ async def _asgi(app, body: bytes, disconnect_after: float | None, opened: asynci
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+             "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
     if opened is not None:
         loop.call_later(open_after, opened.set)
     await asyncio.wait_for(app(scope, receive, send), 10)
@@ -142,6 +143,57 @@ def test_a_first_token_in_time_streams_as_usual(make_vllm_pool):
     pool = make_vllm_pool(CONFIG)
     r = TestClient(build_app(pool)).post("/v1/chat/completions", json=CHAT, headers={"x-infermesh-ttft-give-up-ms": "5000"})
     assert r.status_code == 200 and "data: [DONE]" in r.text
+
+
+NON_STREAMED = {"messages": [{"role": "user", "content": "hi"}], "n": 2}
+
+
+def test_a_non_streamed_request_without_a_first_token_at_the_give_up_limit_is_a_504_and_an_abort(make_vllm_pool):
+    pool = make_vllm_pool(CONFIG)
+    llm = pool.primary.engine
+    client = TestClient(build_app(pool))
+    assert client.post("/v1/chat/completions", json=NON_STREAMED).status_code == 200  # warm: the first render is slow
+    _hold_first_token(llm)  # a stalled engine
+    r = client.post("/v1/chat/completions", json=NON_STREAMED, headers={"x-infermesh-ttft-give-up-ms": "500"})
+    assert r.status_code == 504, r.text
+    assert r.json()["error"] == {"message": "no first token within 500 ms", "type": "server_error", "param": None,
+                                 "code": "ttft_deadline_exceeded"}
+    assert r.headers["retry-after"] == "1" and r.headers["x-infermesh-model"] == "m-large"
+    assert len(llm.aborted) == 1
+    assert not llm.unfinished and pool.inflight == 0
+    assert pool.metrics.requests.labels("http", "chat", "", "504")._value.get() == 1
+
+
+def test_a_non_streamed_request_with_its_first_token_in_time_may_finish_after_the_give_up_limit(make_vllm_pool):
+    pool = make_vllm_pool(CONFIG)
+    llm = pool.primary.engine
+    app = build_app(pool)
+    assert TestClient(app).post("/v1/chat/completions", json=NON_STREAMED).status_code == 200  # warm: the first render is slow
+    llm.gate = asyncio.Event()  # every choice's first token, then a pause past the limit
+
+    async def main():
+        asyncio.get_running_loop().call_later(1.0, llm.gate.set)
+        body = json.dumps(NON_STREAMED).encode()
+        return await _asgi(app, body, None, headers=[(b"x-infermesh-ttft-give-up-ms", b"500")])
+
+    sent = asyncio.run(main())
+    start = next((t, m) for t, m in sent if m["type"] == "http.response.start")
+    assert start[1]["status"] == 200 and start[0] >= 1.0
+    out = json.loads(b"".join(m.get("body", b"") for _, m in sent))
+    # Both choices in full, as vLLM's FINAL_ONLY output gathers them (the front watched the
+    # cumulative outputs for the first token).
+    assert [c["message"]["content"] for c in out["choices"]] == ["Hello world!", "Hello world!"]
+    assert out["usage"]["completion_tokens"] == 2 * len(llm.reply_ids)
+    assert not llm.aborted and pool.inflight == 0
+
+
+def test_without_a_give_up_limit_a_non_streamed_request_stays_final_only(make_vllm_pool):
+    from vllm.sampling_params import RequestOutputKind
+
+    pool = make_vllm_pool(CONFIG)
+    r = TestClient(build_app(pool)).post("/v1/chat/completions", json=NON_STREAMED)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    assert pool.primary.engine.requests[0][1].output_kind == RequestOutputKind.FINAL_ONLY
 
 
 @pytest.mark.parametrize("value", ["", "abc", "-5", "0"])
