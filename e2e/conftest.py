@@ -89,15 +89,20 @@ def upstreams():
 E2E_POLICY = Path(__file__).resolve().parent / "policy-e2e.yaml"
 
 
-@pytest.fixture(scope="session")
-def local_mesh(tmp_path_factory) -> LocalMesh:
-    run_dir: Path = tmp_path_factory.mktemp("mesh")
+def running_mesh(source: Path, run_dir: Path):
+    """A local mesh of `source`'s policy in `run_dir`, started (progress printed), then stopped:
+    the body of a mesh fixture."""
     # A copy: the invalid-policy drill writes over the file the control plane watches.
     policy = run_dir / "policy.yaml"
-    shutil.copyfile(E2E_POLICY, policy)
+    shutil.copyfile(source, policy)
     mesh = LocalMesh(plan_on_free_ports(policy), run_dir, paths.models_dir(), paths.filter_wasm())
     t0 = time.monotonic()
     mesh.start(timeout=420, progress=lambda m: print(f"[mesh] {m}", flush=True))
     print(f"[mesh] up in {time.monotonic() - t0:.1f}s: {mesh.ready_after}", flush=True)
     yield mesh
     mesh.stop()
+
+
+@pytest.fixture(scope="session")
+def local_mesh(tmp_path_factory) -> LocalMesh:
+    yield from running_mesh(E2E_POLICY, tmp_path_factory.mktemp("mesh"))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import threading
 import time
 import urllib.request
@@ -29,10 +28,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infermesh import paths
 from infermesh.drill import SCENARIOS, Drill
 from infermesh.drill_report import format_report
-from infermesh.launcher import LocalMesh, plan_on_free_ports
+from infermesh.launcher import LocalMesh
+
+from e2e.conftest import running_mesh
 
 pytestmark = pytest.mark.e2e
 
@@ -44,15 +44,7 @@ MARGIN_S = 0.5
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("replicas")
-    policy = run_dir / "policy.yaml"
-    shutil.copyfile(POLICY, policy)
-    m = LocalMesh(plan_on_free_ports(policy), run_dir, paths.models_dir(), paths.filter_wasm())
-    t0 = time.monotonic()
-    m.start(timeout=420, progress=lambda s: print(f"[mesh] {s}", flush=True))
-    print(f"[mesh] up in {time.monotonic() - t0:.1f}s", flush=True)
-    yield m
-    m.stop()
+    yield from running_mesh(POLICY, tmp_path_factory.mktemp("replicas"))
 
 
 def chat(base: str, max_tokens: int = 8, stream: bool = True, timeout: float = 60) -> dict:

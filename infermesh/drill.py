@@ -479,6 +479,12 @@ def _requests_finished(metrics_text: str) -> dict[str, int]:
     return out
 
 
+def _held(state: dict) -> tuple[int, int]:
+    """(requests its vLLM engines hold unfinished, requests in flight in the sidecar), from a
+    replica's /admin/state."""
+    return sum(e["unfinished"] for e in state["engines"]), state["in_flight"]
+
+
 class SlowReplica(Scenario):
     """One replica of a pool of several stalled (its engine stopped `duty` of every `period_s`):
     the class's TTFT deadline must hedge each request to another replica (docs/replicas.md)."""
@@ -545,8 +551,8 @@ class SlowReplica(Scenario):
                 for i in range(self.n):
                     t = d.now()
                     with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                        st = (await admin.get(d.mesh.admin_url(self.pool, i) + "/admin/state")).json()
-                        self.replica_samples.append(ReplicaSample(t, f"{self.pool}/{i}", sum(e["unfinished"] for e in st["engines"]), st["in_flight"]))
+                        held = _held((await admin.get(d.mesh.admin_url(self.pool, i) + "/admin/state")).json())
+                        self.replica_samples.append(ReplicaSample(t, f"{self.pool}/{i}", *held))
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(d.stop_load.wait(), timeout=every)
 
@@ -562,11 +568,8 @@ class SlowReplica(Scenario):
     async def checks(self, d: Drill, marks: Marks):
         async with httpx.AsyncClient(timeout=2) as admin:
             async def held() -> dict[str, tuple[int, int]]:
-                out = {}
-                for i in range(self.n):
-                    st = (await admin.get(d.mesh.admin_url(self.pool, i) + "/admin/state")).json()
-                    out[f"{self.pool}/{i}"] = (sum(e["unfinished"] for e in st["engines"]), st["in_flight"])
-                return out
+                return {f"{self.pool}/{i}": _held((await admin.get(d.mesh.admin_url(self.pool, i) + "/admin/state")).json())
+                        for i in range(self.n)}
             deadline = d.now() + 10
             left = await held()
             while any(left.values()) and d.now() < deadline:
