@@ -45,11 +45,14 @@ helm_json="$(go mod download -json "helm.sh/helm/v3@$HELM_VERSION")" || { say "c
 helm_dir="$(printf '%s\n' "$helm_json" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')"
 helm_commit="$(printf '%s\n' "$helm_json" | sed -n 's/^[[:space:]]*"Hash": "\([0-9a-f]*\)",\{0,1\}$/\1/p')"
 client_go="$(sed -n 's/^[[:space:]]*k8s.io\/client-go v\([0-9]*\)\.\([0-9]*\)\..*/\1 \2/p' "$helm_dir/go.mod")"
-[ -n "$helm_commit" ] && [ -n "$client_go" ] || { say "cannot read Helm's commit or client-go version from the module"; exit 1; }
+# The commit comes from the module's origin, which some module proxies leave out of the .info: it
+# only labels `helm version`, so the build goes on without it; the client-go version is required.
+[ -n "$client_go" ] || { say "cannot read Helm's client-go version from its go.mod"; exit 1; }
 read -r cg_major cg_minor <<<"$client_go"
 k8s_major=$((cg_major + 1)) k8s_minor=$cg_minor
 HELM_LDFLAGS="-w -s -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
-HELM_LDFLAGS+=" -X helm.sh/helm/v3/internal/version.gitCommit=$helm_commit -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+[ -z "$helm_commit" ] || HELM_LDFLAGS+=" -X helm.sh/helm/v3/internal/version.gitCommit=$helm_commit"
+HELM_LDFLAGS+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
 for pkg in pkg/lint/rules pkg/chartutil; do
   HELM_LDFLAGS+=" -X helm.sh/helm/v3/$pkg.k8sVersionMajor=$k8s_major -X helm.sh/helm/v3/$pkg.k8sVersionMinor=$k8s_minor"
 done
