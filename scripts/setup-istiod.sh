@@ -29,8 +29,8 @@ if [ ! -x "$ISTIOD" ]; then
   # -mod=readonly: the committed go.sum decides every version; GOTOOLCHAIN=local: never fetch
   # another Go (the module needs Go >= its go.mod's `go` line); nice: the machine is shared.
   (cd "$SRC" && GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false" \
-    nice -n 10 go build -ldflags "-s -w" -o "$ISTIOD.tmp" .)
-  mv "$ISTIOD.tmp" "$ISTIOD"
+    nice -n 10 go build -ldflags "-s -w" -o "$ISTIOD.tmp.$$" .)
+  mv "$ISTIOD.tmp.$$" "$ISTIOD"  # per-process name: two setups at once must not take each other's file
   # Builds of older sources (140 MB each) are never used again.
   find "$HOME_DIR/istiod" -maxdepth 1 -name 'istiod-harness-*' ! -name "$(basename "$ISTIOD")" -delete
   say "istiod ready in $((SECONDS - t0))s"
