@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import re
 import statistics
 import sys
@@ -55,8 +56,16 @@ from .drill_report import classify
 SETUPS = ("vllm-serve", "envoy-rr", "infermesh")
 SCENARIOS = ("batch-flood", "overload")
 CPU_CORES = {"interactive": "0", "batch": "1"}
-"""Each pool's engines on its own core (VLLM_CPU_OMP_THREADS_BIND); vllm-serve gets both."""
+"""Each pool's sidecar on its own core, its whole process tree (front, vLLM's engine-core and
+workers: `LocalMesh(pin_tree=True)`) and vLLM's OpenMP threads; vllm-serve gets both."""
 ALL_CORES = "0-1"
+PLACEMENT = {"envoy+control-plane": ALL_CORES, "envoy-rr": ALL_CORES, "vllm-serve": ALL_CORES,
+             "flood-client": CPU_CORES["batch"], "bench-client": CPU_CORES["interactive"]}
+"""Everything else, deliberately. Envoy carries both pools' traffic, so pinning it to either
+pool's core would charge that pool for the other's requests: it floats, as a gateway on a GPU
+node's host cores would. The flood's client is batch load: it runs on the batch core (on GPU
+pools it is another machine). The bench's own process (vLLM's serving-benchmark client timing
+the chats, 1-2 chats/s, and the watchers) runs on the interactive core, the side it measures."""
 BATCH_TOKENS = 24
 """Tokens a batch completion of the drills' client asks for (`Drill.batch`)."""
 
@@ -65,14 +74,15 @@ BATCH_TOKENS = 24
 class BenchOptions:
     rounds: int = 3
     """Rounds; each runs every level of every scenario once per set-up."""
-    window_s: float = 12.0
+    window_s: float = 20.0
     """Length of one measured batch-flood window (arrivals stop then; requests in flight finish)."""
     overload_window_s: float = 24.0
     """Length of one overload window: long against the interactive pool's KV-cache breaker
     (fill ~2 s + sustain 2 s + escalation), so most of it shows the ladder acting, not the
     time before it (an 8 s window left ~3 s; docs/bench.md)."""
-    interactive_rate: float = 1.0
-    """Batch flood: streaming chats per second (steady, open loop)."""
+    interactive_rate: float = 2.0
+    """Batch flood: streaming chats per second (steady, open loop): 2/s for 12 s puts 24 chats
+    under each round's p99 (1/s for 8 s left 8, so one chat decided the ratio)."""
     flood_multiples: tuple[float, ...] = (0.0, 1.0, 3.0, 10.0)
     """Batch flood: batch load as multiples of the batch pool's capacity without queueing."""
     overload_multiples: tuple[float, ...] = (0.5, 2.0, 6.0)
@@ -88,7 +98,7 @@ class BenchOptions:
 
     @classmethod
     def quick(cls) -> "BenchOptions":
-        return cls(rounds=2, window_s=8.0, overload_window_s=16.0, flood_multiples=(0.0, 10.0), overload_multiples=(0.5, 6.0))
+        return cls(rounds=2, window_s=12.0, overload_window_s=16.0, flood_multiples=(0.0, 10.0), overload_multiples=(0.5, 6.0))
 
 
 @dataclass
@@ -125,6 +135,13 @@ class Window:
     and the share of samples it was running on CPU 0 (the interactive pool's engines' core)."""
     vllm_summary: dict = field(default_factory=dict)
     """vllm-bench windows: vLLM's own figures for the window (its goodput and p99s), for comparison."""
+
+
+def _on_cpus(spec: str) -> Callable[[], None]:
+    from infermesh.launcher import parse_cpus
+
+    cpus = parse_cpus(spec)
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 class BenchDrill(Drill):
@@ -222,9 +239,10 @@ class Bench:
 
     def start(self) -> None:
         from infermesh import paths
-        from infermesh.launcher import LocalMesh, free_ports, plan_on_free_ports, wait_until, _http_ok
+        from infermesh.launcher import LocalMesh, _http_ok, free_ports, parse_cpus, plan_on_free_ports, wait_until
 
-        self.mesh = LocalMesh(plan_on_free_ports(self.policy_path), self.run_dir, cpu_cores=CPU_CORES)
+        self.mesh = LocalMesh(plan_on_free_ports(self.policy_path), self.run_dir, cpu_cores=CPU_CORES, pin_tree=True,
+                              proxy_cores=PLACEMENT["envoy+control-plane"])
         t0 = time.monotonic()
         self.mesh.start(timeout=600, progress=self.say)
         policy = self.mesh.plan.policy
@@ -234,7 +252,7 @@ class Bench:
         bootstrap.write_text(json.dumps(plain_envoy_bootstrap(
             plain_port, plain_admin, [(self.mesh.plan.host, p.http_port) for p in self.mesh.plan.pools]), indent=2))
         self.mesh._spawn("envoy-rr", [str(paths.envoy_binary()), "-c", str(bootstrap), "--use-dynamic-base-id",
-                                         "--concurrency", "2", "--log-level", "warn"])
+                                         "--concurrency", "2", "--log-level", "warn"], cpus=PLACEMENT["envoy-rr"])
         primary = policy.pools[self.interactive_pool].models[0]
         model_path = primary.path or str(self.mesh.models_dir / primary.name)
         names = [primary.name, *primary.aliases]
@@ -242,7 +260,8 @@ class Bench:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--served-model-name", *names,
             "--host", "127.0.0.1", "--port", str(vllm_port), "--max-model-len", str(primary.max_model_len),
             "--kv-cache-memory-bytes", str(primary.kv_cache_bytes), "--max-num-seqs", str(primary.max_num_seqs),
-            "--dtype", primary.dtype, "--enforce-eager", "--disable-uvicorn-access-log"], {"VLLM_CPU_OMP_THREADS_BIND": ALL_CORES})
+            "--dtype", primary.dtype, "--enforce-eager", "--disable-uvicorn-access-log"], {"VLLM_CPU_OMP_THREADS_BIND": ALL_CORES},
+            cpus=PLACEMENT["vllm-serve"])
         self.say(f"vllm-serve: starting ({primary.name} on cores {ALL_CORES}); envoy-rr: starting (round-robin over the pools' sidecars)")
         self.urls = {"vllm-serve": f"http://127.0.0.1:{vllm_port}", "envoy-rr": f"http://127.0.0.1:{plain_port}",
                      "infermesh": self.mesh.base_url}
@@ -254,6 +273,8 @@ class Bench:
                     raise RuntimeError(f"{name} exited:\n{c.tail()}")
                 return _http_ok(probe)
             wait_until(ready, 300, every=0.5, what=name)
+        # Only now: every child above was given its own CPUs, and the flood's client gets its own.
+        os.sched_setaffinity(0, parse_cpus(PLACEMENT["bench-client"]))
         self.say(f"all three set-ups up in {time.monotonic() - t0:.0f}s (logs in {self.run_dir})")
 
     def stop(self) -> None:
@@ -313,8 +334,6 @@ class Bench:
     async def _cpu_watch(self, stop: asyncio.Event, w: Window, extra: dict[str, int]) -> None:
         """Where the CPU goes during a flood window: the set-ups' processes (a sidecar's children
         are its vLLM engine cores), Envoy, the flood client and this process (vLLM's client)."""
-        import os
-
         import psutil
 
         procs: dict[str, psutil.Process] = {}
@@ -414,7 +433,7 @@ class Bench:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "infermesh.bench", "--flood", self.urls[setup], "--policy", str(self.policy_path),
             "--rate", str(rate), "--timeout", str(self.opt.request_timeout_s), "--home", json.dumps(self.home(setup)),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, preexec_fn=_on_cpus(PLACEMENT["flood-client"]))
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
         if line.strip() != b"started":
             raise RuntimeError(f"the batch flood process did not start: {line!r}")
@@ -493,7 +512,10 @@ class Bench:
         from .bench_report import build_report
 
         return build_report([asdict(w) for w in self.windows], self.opt.ttft_target_s, self.calibration,
-                            {"options": asdict(self.opt), "scenarios": scenarios, "cpu_cores": {**CPU_CORES, "vllm-serve": ALL_CORES}})
+                            {"options": asdict(self.opt), "scenarios": scenarios,
+                             "cpu_cores": {**{f"sidecar-{p}": c for p, c in CPU_CORES.items()}, **PLACEMENT},
+                             "pinned": "each sidecar's whole process tree (front, vLLM engine-core and workers) "
+                                       "and its OpenMP threads; every other process as listed"})
 
 
 def run_cli(args: argparse.Namespace) -> int:
