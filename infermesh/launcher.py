@@ -11,6 +11,7 @@ import ctypes
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -44,12 +45,11 @@ def parse_cpus(spec: str, what: str = "cpus") -> set[int]:
     -c); each must be one this process may run on, so a typo fails at start, not as a silent
     no-op of sched_setaffinity."""
     cpus: set[int] = set()
-    try:
-        for part in spec.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise LaunchError(f"{what}: {spec!r} is not a CPU list such as 0, 0-1 or 0,2-3") from None
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if m is None:
+            raise LaunchError(f"{what}: {spec!r} is not a CPU list such as 0, 0-1 or 0,2-3")
+        cpus.update(range(int(m[1]), int(m[2] or m[1]) + 1))
     allowed = os.sched_getaffinity(0)
     if not cpus:
         raise LaunchError(f"{what}: {spec!r} names no CPU")
