@@ -11,9 +11,10 @@ Three set-ups on the same models, engine settings and machine, all started once 
   pools' sidecars (a mesh without infermesh);
 - `infermesh`: the local mesh (filter, classes, pools, priority, breakers, shedding).
 
-`envoy-rr` and `infermesh` share the pools' sidecars, and each pool's engines are bound to their own
-cores (`LocalMesh(cpu_cores=…)`: interactive on CPU 0, batch on CPU 1), as separate GPU pools would
-be; `vllm-serve` binds to both cores (the whole machine, as a user would run it).
+`envoy-rr` and `infermesh` share the pools' sidecars, and each pool's sidecar runs on its own core,
+its whole process tree (`LocalMesh(cpu_cores=…, pin_tree=True)`: interactive on CPU 0, batch on
+CPU 1), as separate GPU pools would; `vllm-serve` gets both cores (the whole machine, as a user
+would run it). The other processes are placed as `PLACEMENT` says, and the report prints it.
 
 Scenarios (each a sweep of load levels, `bench_report.py` turns the windows into figures):
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import io
 import json
 import os
@@ -135,13 +137,6 @@ class Window:
     and the share of samples it was running on CPU 0 (the interactive pool's engines' core)."""
     vllm_summary: dict = field(default_factory=dict)
     """vllm-bench windows: vLLM's own figures for the window (its goodput and p99s), for comparison."""
-
-
-def _on_cpus(spec: str) -> Callable[[], None]:
-    from infermesh.launcher import parse_cpus
-
-    cpus = parse_cpus(spec)
-    return lambda: os.sched_setaffinity(0, cpus)
 
 
 class BenchDrill(Drill):
@@ -273,7 +268,9 @@ class Bench:
                     raise RuntimeError(f"{name} exited:\n{c.tail()}")
                 return _http_ok(probe)
             wait_until(ready, 300, every=0.5, what=name)
-        # Only now: every child above was given its own CPUs, and the flood's client gets its own.
+        # Only now: every child above was given its own CPUs, and the flood's client gets its own
+        # (parsed first: a CPU list is checked against this process's set, which this narrows).
+        self.flood_cpus = parse_cpus(PLACEMENT["flood-client"])
         os.sched_setaffinity(0, parse_cpus(PLACEMENT["bench-client"]))
         self.say(f"all three set-ups up in {time.monotonic() - t0:.0f}s (logs in {self.run_dir})")
 
@@ -433,7 +430,8 @@ class Bench:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "infermesh.bench", "--flood", self.urls[setup], "--policy", str(self.policy_path),
             "--rate", str(rate), "--timeout", str(self.opt.request_timeout_s), "--home", json.dumps(self.home(setup)),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, preexec_fn=_on_cpus(PLACEMENT["flood-client"]))
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            preexec_fn=functools.partial(os.sched_setaffinity, 0, self.flood_cpus))
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
         if line.strip() != b"started":
             raise RuntimeError(f"the batch flood process did not start: {line!r}")
