@@ -130,8 +130,8 @@ class Window:
     """When the interactive pool first served new chats from its small model (level >= 2), in
     seconds from the window's start (sidecar set-ups; None: it did not)."""
     level_at_start: int | None = None
-    """The interactive pool's level when the window began (0 unless a previous window's
-    degradation had not recovered within `Bench.settle`'s timeout)."""
+    """The highest pool level when the window began (0 unless a previous window's breakers,
+    shedding included, had not recovered within `Bench.settle`'s timeout)."""
     cpu: dict = field(default_factory=dict)
     """Batch flood: each process's CPU during the window (`Bench._cpu_watch`): mean % of one core,
     and the share of samples it was running on CPU 0 (the interactive pool's engines' core)."""
@@ -444,18 +444,19 @@ class Bench:
         await proc.wait()
         return json.loads(line)
 
-    async def settle(self, timeout_s: float = 30.0) -> int:
-        """Wait until no pool is degraded and none has requests in flight (a previous window's
-        breakers must not serve this one: envoy-rr and infermesh share the sidecars); returns
-        the interactive pool's level then."""
+    async def settle(self, timeout_s: float = 45.0) -> int:
+        """Wait until no pool has a breaker action on and none has requests in flight (a previous
+        window's breakers must not serve this one: envoy-rr and infermesh share the sidecars, and
+        a vllm-serve flood window, ~35 s at 100 % of both cores, opens the pools' cpu breakers,
+        whose shedding would then meet the next window's batch); returns the highest pool level then."""
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2.0) as c:
             while True:
                 try:
                     states = [(await c.get(self.mesh.admin_url(p.name, p.replica) + "/admin/state")).json() for p in self.mesh.plan.pools]
-                    if all(st["level"] < 2 and st["in_flight"] == 0 for st in states) or time.monotonic() > deadline:
-                        return next(st["level"] for st in states if st["pool"] == self.interactive_pool)
-                except (httpx.HTTPError, ValueError, KeyError, StopIteration):
+                    if all(st["level"] == 0 and st["in_flight"] == 0 for st in states) or time.monotonic() > deadline:
+                        return max(st["level"] for st in states)
+                except (httpx.HTTPError, ValueError, KeyError):
                     if time.monotonic() > deadline:
                         return -1
                 await asyncio.sleep(0.5)
