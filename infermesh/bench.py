@@ -514,7 +514,10 @@ class Bench:
                             {"options": asdict(self.opt), "scenarios": scenarios,
                              "cpu_cores": {**{f"sidecar-{p}": c for p, c in CPU_CORES.items()}, **PLACEMENT},
                              "pinned": "each sidecar's whole process tree (front, vLLM engine-core and workers) "
-                                       "and its OpenMP threads; every other process as listed"})
+                                       "and its OpenMP threads; every other process as listed",
+                             # Each window's own chats (TTFTs in the order they were sent), so a
+                             # slow round can be placed in time afterwards (docs/bench.md).
+                             "windows": [asdict(w) for w in self.windows]})
 
 
 def run_cli(args: argparse.Namespace) -> int:
