@@ -345,3 +345,34 @@ def test_kv_demand_without_holding_is_the_primarys_own_reading():
     # Below LEARN_ABOVE: nothing learnt, and the reading is the primary's peak.
     assert src.read() == 0.4 and src.kv_per_rate is None
     assert window.first_token_rate(2.0) == 5.0 and window.first_token_rate(1.0) == 10.0
+
+
+def test_the_pool_reads_demand_only_while_its_kv_breaker_holds_the_ladder(make_pool, monkeypatch):
+    """The wiring in pool.py: the kv-cache source gets the pool's first-token rate and is told
+    when a kv_cache breaker's `degrade` is on (another breaker's does not count)."""
+    from infermesh.sidecar.tests.conftest import FakeClock
+
+    clock = FakeClock()
+    pool = make_pool({"pool": "interactive",
+                      "models": [{"name": "big", "path": "/x"}, {"name": "small", "path": "/y"}],
+                      "breakers": {
+                          "kv": {"signal": "kv_cache", "trip_above": 0.9, "recover_below": 0.5, "sustain_s": 1,
+                                 "actions": ["shed", "degrade"], "escalate_after_s": 0},
+                          "ttft": {"signal": "ttft_p95", "trip_above": 2.0, "recover_below": 1.0, "sustain_s": 1,
+                                   "actions": ["degrade"]}}}, clock)
+    monkeypatch.setattr(pool.ladder, "start", lambda standby: None)  # loaded already; no GPU probe (torch import)
+    pool.start()
+    src = pool.readings.sources["kv_cache"]
+    assert src.rate == pool.window.first_token_rate and src.holding() is False
+
+    def tick(seconds: float) -> None:
+        for _ in range(int(seconds / 0.25)):
+            clock.t += 0.25
+            pool.sample()
+
+    pool.faults.set("ttft_p95", 3.0, 1000)
+    tick(1.5)
+    assert "degrade" in pool.policy.actions and src.holding() is False  # the TTFT breaker's degrade
+    pool.faults.set("kv_cache", 0.97, 1000)
+    tick(1.5)
+    assert src.holding() is True
