@@ -11,9 +11,10 @@ Three set-ups on the same models, engine settings and machine, all started once 
   pools' sidecars (a mesh without infermesh);
 - `infermesh`: the local mesh (filter, classes, pools, priority, breakers, shedding).
 
-`envoy-rr` and `infermesh` share the pools' sidecars, and each pool's engines are bound to their own
-cores (`LocalMesh(cpu_cores=…)`: interactive on CPU 0, batch on CPU 1), as separate GPU pools would
-be; `vllm-serve` binds to both cores (the whole machine, as a user would run it).
+`envoy-rr` and `infermesh` share the pools' sidecars, and each pool's sidecar runs on its own core,
+its whole process tree (`LocalMesh(cpu_cores=…, pin_tree=True)`: interactive on CPU 0, batch on
+CPU 1), as separate GPU pools would; `vllm-serve` gets both cores (the whole machine, as a user
+would run it). The other processes are placed as `PLACEMENT` says, and the report prints it.
 
 Scenarios (each a sweep of load levels, `bench_report.py` turns the windows into figures):
 
@@ -35,8 +36,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import io
 import json
+import os
 import re
 import statistics
 import sys
@@ -55,8 +58,16 @@ from .drill_report import classify
 SETUPS = ("vllm-serve", "envoy-rr", "infermesh")
 SCENARIOS = ("batch-flood", "overload")
 CPU_CORES = {"interactive": "0", "batch": "1"}
-"""Each pool's engines on its own core (VLLM_CPU_OMP_THREADS_BIND); vllm-serve gets both."""
+"""Each pool's sidecar on its own core, its whole process tree (front, vLLM's engine-core and
+workers: `LocalMesh(pin_tree=True)`) and vLLM's OpenMP threads; vllm-serve gets both."""
 ALL_CORES = "0-1"
+PLACEMENT = {"envoy+control-plane": ALL_CORES, "envoy-rr": ALL_CORES, "vllm-serve": ALL_CORES,
+             "flood-client": CPU_CORES["batch"], "bench-client": CPU_CORES["interactive"]}
+"""Everything else, deliberately. Envoy carries both pools' traffic, so pinning it to either
+pool's core would charge that pool for the other's requests: it floats, as a gateway on a GPU
+node's host cores would. The flood's client is batch load: it runs on the batch core (on GPU
+pools it is another machine). The bench's own process (vLLM's serving-benchmark client timing
+the chats, 1-2 chats/s, and the watchers) runs on the interactive core, the side it measures."""
 BATCH_TOKENS = 24
 """Tokens a batch completion of the drills' client asks for (`Drill.batch`)."""
 
@@ -65,14 +76,15 @@ BATCH_TOKENS = 24
 class BenchOptions:
     rounds: int = 3
     """Rounds; each runs every level of every scenario once per set-up."""
-    window_s: float = 12.0
+    window_s: float = 20.0
     """Length of one measured batch-flood window (arrivals stop then; requests in flight finish)."""
     overload_window_s: float = 24.0
     """Length of one overload window: long against the interactive pool's KV-cache breaker
     (fill ~2 s + sustain 2 s + escalation), so most of it shows the ladder acting, not the
     time before it (an 8 s window left ~3 s; docs/bench.md)."""
-    interactive_rate: float = 1.0
-    """Batch flood: streaming chats per second (steady, open loop)."""
+    interactive_rate: float = 2.0
+    """Batch flood: streaming chats per second (steady, open loop): 2/s for 12 s puts 24 chats
+    under each round's p99 (1/s for 8 s left 8, so one chat decided the ratio)."""
     flood_multiples: tuple[float, ...] = (0.0, 1.0, 3.0, 10.0)
     """Batch flood: batch load as multiples of the batch pool's capacity without queueing."""
     overload_multiples: tuple[float, ...] = (0.5, 2.0, 6.0)
@@ -88,7 +100,7 @@ class BenchOptions:
 
     @classmethod
     def quick(cls) -> "BenchOptions":
-        return cls(rounds=2, window_s=8.0, overload_window_s=16.0, flood_multiples=(0.0, 10.0), overload_multiples=(0.5, 6.0))
+        return cls(rounds=2, window_s=12.0, overload_window_s=16.0, flood_multiples=(0.0, 10.0), overload_multiples=(0.5, 6.0))
 
 
 @dataclass
@@ -118,8 +130,8 @@ class Window:
     """When the interactive pool first served new chats from its small model (level >= 2), in
     seconds from the window's start (sidecar set-ups; None: it did not)."""
     level_at_start: int | None = None
-    """The interactive pool's level when the window began (0 unless a previous window's
-    degradation had not recovered within `Bench.settle`'s timeout)."""
+    """The highest pool level when the window began (0 unless a previous window's breakers,
+    shedding included, had not recovered within `Bench.settle`'s timeout)."""
     cpu: dict = field(default_factory=dict)
     """Batch flood: each process's CPU during the window (`Bench._cpu_watch`): mean % of one core,
     and the share of samples it was running on CPU 0 (the interactive pool's engines' core)."""
@@ -222,9 +234,10 @@ class Bench:
 
     def start(self) -> None:
         from infermesh import paths
-        from infermesh.launcher import LocalMesh, free_ports, plan_on_free_ports, wait_until, _http_ok
+        from infermesh.launcher import LocalMesh, _http_ok, free_ports, parse_cpus, plan_on_free_ports, wait_until
 
-        self.mesh = LocalMesh(plan_on_free_ports(self.policy_path), self.run_dir, cpu_cores=CPU_CORES)
+        self.mesh = LocalMesh(plan_on_free_ports(self.policy_path), self.run_dir, cpu_cores=CPU_CORES, pin_tree=True,
+                              proxy_cores=PLACEMENT["envoy+control-plane"])
         t0 = time.monotonic()
         self.mesh.start(timeout=600, progress=self.say)
         policy = self.mesh.plan.policy
@@ -234,7 +247,7 @@ class Bench:
         bootstrap.write_text(json.dumps(plain_envoy_bootstrap(
             plain_port, plain_admin, [(self.mesh.plan.host, p.http_port) for p in self.mesh.plan.pools]), indent=2))
         self.mesh._spawn("envoy-rr", [str(paths.envoy_binary()), "-c", str(bootstrap), "--use-dynamic-base-id",
-                                         "--concurrency", "2", "--log-level", "warn"])
+                                         "--concurrency", "2", "--log-level", "warn"], cpus=PLACEMENT["envoy-rr"])
         primary = policy.pools[self.interactive_pool].models[0]
         model_path = primary.path or str(self.mesh.models_dir / primary.name)
         names = [primary.name, *primary.aliases]
@@ -242,7 +255,8 @@ class Bench:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--served-model-name", *names,
             "--host", "127.0.0.1", "--port", str(vllm_port), "--max-model-len", str(primary.max_model_len),
             "--kv-cache-memory-bytes", str(primary.kv_cache_bytes), "--max-num-seqs", str(primary.max_num_seqs),
-            "--dtype", primary.dtype, "--enforce-eager", "--disable-uvicorn-access-log"], {"VLLM_CPU_OMP_THREADS_BIND": ALL_CORES})
+            "--dtype", primary.dtype, "--enforce-eager", "--disable-uvicorn-access-log"], {"VLLM_CPU_OMP_THREADS_BIND": ALL_CORES},
+            cpus=PLACEMENT["vllm-serve"])
         self.say(f"vllm-serve: starting ({primary.name} on cores {ALL_CORES}); envoy-rr: starting (round-robin over the pools' sidecars)")
         self.urls = {"vllm-serve": f"http://127.0.0.1:{vllm_port}", "envoy-rr": f"http://127.0.0.1:{plain_port}",
                      "infermesh": self.mesh.base_url}
@@ -254,6 +268,10 @@ class Bench:
                     raise RuntimeError(f"{name} exited:\n{c.tail()}")
                 return _http_ok(probe)
             wait_until(ready, 300, every=0.5, what=name)
+        # Only now: every child above was given its own CPUs, and the flood's client gets its own
+        # (parsed first: a CPU list is checked against this process's set, which this narrows).
+        self.flood_cpus = parse_cpus(PLACEMENT["flood-client"])
+        os.sched_setaffinity(0, parse_cpus(PLACEMENT["bench-client"]))
         self.say(f"all three set-ups up in {time.monotonic() - t0:.0f}s (logs in {self.run_dir})")
 
     def stop(self) -> None:
@@ -313,8 +331,6 @@ class Bench:
     async def _cpu_watch(self, stop: asyncio.Event, w: Window, extra: dict[str, int]) -> None:
         """Where the CPU goes during a flood window: the set-ups' processes (a sidecar's children
         are its vLLM engine cores), Envoy, the flood client and this process (vLLM's client)."""
-        import os
-
         import psutil
 
         procs: dict[str, psutil.Process] = {}
@@ -414,7 +430,8 @@ class Bench:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "infermesh.bench", "--flood", self.urls[setup], "--policy", str(self.policy_path),
             "--rate", str(rate), "--timeout", str(self.opt.request_timeout_s), "--home", json.dumps(self.home(setup)),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            preexec_fn=functools.partial(os.sched_setaffinity, 0, self.flood_cpus))
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
         if line.strip() != b"started":
             raise RuntimeError(f"the batch flood process did not start: {line!r}")
@@ -427,18 +444,19 @@ class Bench:
         await proc.wait()
         return json.loads(line)
 
-    async def settle(self, timeout_s: float = 30.0) -> int:
-        """Wait until no pool is degraded and none has requests in flight (a previous window's
-        breakers must not serve this one: envoy-rr and infermesh share the sidecars); returns
-        the interactive pool's level then."""
+    async def settle(self, timeout_s: float = 45.0) -> int:
+        """Wait until no pool has a breaker action on and none has requests in flight (a previous
+        window's breakers must not serve this one: envoy-rr and infermesh share the sidecars, and
+        a vllm-serve flood window, ~35 s at 100 % of both cores, opens the pools' cpu breakers,
+        whose shedding would then meet the next window's batch); returns the highest pool level then."""
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2.0) as c:
             while True:
                 try:
                     states = [(await c.get(self.mesh.admin_url(p.name, p.replica) + "/admin/state")).json() for p in self.mesh.plan.pools]
-                    if all(st["level"] < 2 and st["in_flight"] == 0 for st in states) or time.monotonic() > deadline:
-                        return next(st["level"] for st in states if st["pool"] == self.interactive_pool)
-                except (httpx.HTTPError, ValueError, KeyError, StopIteration):
+                    if all(st["level"] == 0 and st["in_flight"] == 0 for st in states) or time.monotonic() > deadline:
+                        return max(st["level"] for st in states)
+                except (httpx.HTTPError, ValueError, KeyError):
                     if time.monotonic() > deadline:
                         return -1
                 await asyncio.sleep(0.5)
@@ -493,7 +511,13 @@ class Bench:
         from .bench_report import build_report
 
         return build_report([asdict(w) for w in self.windows], self.opt.ttft_target_s, self.calibration,
-                            {"options": asdict(self.opt), "scenarios": scenarios, "cpu_cores": {**CPU_CORES, "vllm-serve": ALL_CORES}})
+                            {"options": asdict(self.opt), "scenarios": scenarios,
+                             "cpu_cores": {**{f"sidecar-{p}": c for p, c in CPU_CORES.items()}, **PLACEMENT},
+                             "pinned": "each sidecar's whole process tree (front, vLLM engine-core and workers) "
+                                       "and its OpenMP threads; every other process as listed",
+                             # Each window's own chats (TTFTs in the order they were sent), so a
+                             # slow round can be placed in time afterwards (docs/bench.md).
+                             "windows": [asdict(w) for w in self.windows]})
 
 
 def run_cli(args: argparse.Namespace) -> int:

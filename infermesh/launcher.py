@@ -11,6 +11,7 @@ import ctypes
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -39,6 +40,35 @@ def _die_with_parent() -> None:
     os.setpgrp()  # Ctrl-C in the terminal reaches the launcher only; it stops children in order
 
 
+def parse_cpus(spec: str, what: str = "cpus") -> set[int]:
+    """CPU ids from `0`, `1`, `0-1`, `0,2-3` (the format of VLLM_CPU_OMP_THREADS_BIND and taskset
+    -c); each must be one this process may run on, so a typo fails at start, not as a silent
+    no-op of sched_setaffinity."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if m is None:
+            raise LaunchError(f"{what}: {spec!r} is not a CPU list such as 0, 0-1 or 0,2-3")
+        cpus.update(range(int(m[1]), int(m[2] or m[1]) + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus:
+        raise LaunchError(f"{what}: {spec!r} names no CPU")
+    if not cpus <= allowed:
+        raise LaunchError(f"{what}: {spec!r} names CPUs outside this process's set {sorted(allowed)}")
+    return cpus
+
+
+def _start_child(cpus: set[int] | None) -> Callable[[], None]:
+    """The child's set-up before exec: die with the launcher and, with `cpus`, run only there.
+    Affinity set before exec is inherited by everything the child spawns (vLLM's engine-core and
+    worker processes), which VLLM_CPU_OMP_THREADS_BIND alone does not reach."""
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
+
+
 @dataclass
 class Child:
     name: str
@@ -47,6 +77,8 @@ class Child:
     argv: list[str]
     env: dict[str, str] | None = None
     """Variables added to the launcher's environment (a restart keeps them)."""
+    cpus: str | None = None
+    """The CPUs its process tree is pinned to (a restart keeps them); None: not pinned."""
 
     def tail(self, n: int = 20) -> str:
         try:
@@ -127,12 +159,21 @@ def _http_ok(url: str, timeout: float = 1.0) -> bool:
 
 class LocalMesh:
     def __init__(self, plan: LocalMeshPlan, run_dir: Path, models_dir: Path | None = None, wasm: Path | None = None,
-                 cpu_cores: dict[str, str] | None = None):
+                 cpu_cores: dict[str, str] | None = None, pin_tree: bool = False, proxy_cores: str | None = None):
         self.plan = plan
-        # Pool -> the CPU ids its vLLM engines bind their OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND:
-        # `0`, `1`, `0-1`), so pools sharing one machine stop competing for cores as separate GPU pools
-        # would; a pool left out keeps vLLM's own binding.
+        # Pool (or `pool.N`, one replica) -> the CPU ids its vLLM engines bind their OpenMP threads
+        # to (VLLM_CPU_OMP_THREADS_BIND: `0`, `1`, `0-1`), so pools sharing one machine stop
+        # competing for cores as separate GPU pools would; a pool left out keeps vLLM's own binding.
         self.cpu_cores = cpu_cores or {}
+        self.pin_tree = pin_tree
+        """Also pin each such sidecar's whole process tree (its Python front, vLLM's engine-core
+        scheduler and workers) to those CPUs, not only the OpenMP compute threads."""
+        self.proxy_cores = proxy_cores
+        """CPUs for Envoy and the control plane (None: wherever Linux runs them)."""
+        for key, spec in self.cpu_cores.items():
+            parse_cpus(spec, f"cpu_cores[{key!r}]")
+        if proxy_cores:
+            parse_cpus(proxy_cores, "proxy_cores")
         self.run_dir = run_dir
         self.models_dir = models_dir or paths.models_dir()
         self.wasm = wasm or paths.filter_wasm()
@@ -142,13 +183,15 @@ class LocalMesh:
 
     # -- start ------------------------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: str | None = None) -> Child:
+        """Start a child (`cpus`: the CPU list it and everything it spawns may run on)."""
         log_path = self.run_dir / f"{name}.log"
         log = open(log_path, "ab")  # a restarted process goes on in the same log
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_start_child(parse_cpus(cpus, name) if cpus else None),
                                 env=os.environ | env if env else None)
         log.close()
-        child = Child(name, proc, log_path, argv, env)
+        child = Child(name, proc, log_path, argv, env, cpus)
         self.children = [c for c in self.children if c.name != name] + [child]
         self.started_at[name] = time.monotonic()
         return child
@@ -171,7 +214,7 @@ class LocalMesh:
         c = self.child(name)
         if c.proc.poll() is None:
             raise LaunchError(f"{name} is still running")
-        return self._spawn(name, c.argv, c.env)
+        return self._spawn(name, c.argv, c.env, c.cpus)
 
     def sidecar_url(self, pool: str, replica: int = 0) -> str:
         return f"http://{self.plan.host}:{self.plan.replica(pool, replica).http_port}"
@@ -208,7 +251,7 @@ class LocalMesh:
             # A replica's own entry (`pool.N`) first, else the pool's.
             cores = self.cpu_cores.get(p.key) or self.cpu_cores.get(p.name)
             self._spawn(name, [sys.executable, "-m", "infermesh.sidecar.server", "--config", str(cfg_path)],
-                        {"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else None)
+                        {"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else None, cores if self.pin_tree else None)
             ladder = " > ".join(self.plan.ladder(p.name))
             progress(f"sidecar {p.key}: starting ({ladder}; http :{p.http_port}, grpc :{p.grpc_port}, admin 127.0.0.1:{p.admin_port})")
         # The control plane serves Envoy its listener and clusters from the policy file (ADS)
@@ -220,7 +263,7 @@ class LocalMesh:
             xds += ["--pool", f"{p.name}={self.plan.host}:{p.http_port}:{p.grpc_port}"]
             if p.admin_port:
                 xds += ["--pool-admin", f"{p.name}=http://127.0.0.1:{p.admin_port}"]
-        self._spawn("control-plane", xds)
+        self._spawn("control-plane", xds, cpus=self.proxy_cores)
         progress(f"control plane: starting (ADS 127.0.0.1:{self.plan.xds_port}, watching {self.plan.policy_path})")
         bootstrap = self.run_dir / "envoy.json"
         bootstrap.write_text(json.dumps(xds_bootstrap(self.plan.admin_port, "127.0.0.1", self.plan.xds_port), indent=2))
@@ -231,6 +274,7 @@ class LocalMesh:
             "envoy",
             [str(envoy), "-c", str(bootstrap), "--use-dynamic-base-id", "--concurrency", "2", "--log-level", "warn",
              "--drain-time-s", "1", "--parent-shutdown-time-s", "2"],
+            cpus=self.proxy_cores,
         )
         progress(f"envoy: starting (listener :{self.plan.listen_port}, admin 127.0.0.1:{self.plan.admin_port})")
         try:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -138,18 +139,34 @@ class KvCache(Source):
     `window_s` (1 s). One step's reading is no level to hold for a sustain window: under
     continuous batching a step that finishes a wave of requests frees their blocks before the
     queue refills them, so a full cache reads as a sawtooth (measured on the bench's overload,
-    32 MiB cache, 168 chats waiting: 0.46-1.0 every ~2 s, mean 0.75; docs/breakers.md)."""
+    32 MiB cache, 168 chats waiting: 0.46-1.0 every ~2 s, mean 0.75; docs/breakers.md).
+
+    While `holding()` (the kv-cache breaker has moved new requests off the primary) the reading
+    is also the pool's demand in the primary's terms: the first tokens the pool now serves per
+    second (`rate()`) times the KV use per first token/s the primary showed the last time it was
+    full. The emptied primary's own cache says nothing about whether the load would fit if it
+    came back; without this the ladder recovered onto a cache the same load refilled at once
+    (three switches in one 16 s bench window; docs/breakers.md)."""
 
     name = "kv_cache"
 
+    LEARN_ABOVE = 0.5
+    """The primary's KV use per first token/s is learnt while its own reading is at least this
+    (a cache that is only lightly used says little about where it fills)."""
+
     def __init__(self, stats: Callable[[], EngineStats | None], stale_after_s: float = 2.0, window_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, rate: Callable[[], float | None] | None = None,
+                 holding: Callable[[], bool] | None = None):
         self.stats = stats
         self.stale_after_s = stale_after_s
         self.window_s = window_s
         self.clock = clock
+        self.rate = rate
+        self.holding = holding
+        self.kv_per_rate: float | None = None
+        """KV use per first token/s the primary served when it was last at least LEARN_ABOVE full."""
 
-    def read(self) -> float | None:
+    def _primary(self) -> float | None:
         s = self.stats()
         if s is None or s.kv_cache_usage is None:
             return None
@@ -158,6 +175,25 @@ class KvCache(Source):
         if now - s.updated > self.stale_after_s and s.running == 0:
             return 0.0
         return max((u for t, u in s.kv_steps if t >= now - self.window_s), default=s.kv_cache_usage)
+
+    def demand(self) -> float | None:
+        """The KV use the pool's present load would give the primary (None: nothing learnt)."""
+        r = self.rate() if self.rate is not None else None
+        if r is None or self.kv_per_rate is None:
+            return None
+        return min(1.0, r * self.kv_per_rate)
+
+    def read(self) -> float | None:
+        own = self._primary()
+        if self.rate is None or self.holding is None:
+            return own
+        if self.holding():
+            d = self.demand()
+            return own if d is None else max(own or 0.0, d)
+        r = self.rate()
+        if own is not None and own >= self.LEARN_ABOVE and r:
+            self.kv_per_rate = own / r
+        return own
 
 
 @dataclass
@@ -180,6 +216,13 @@ class RequestWindow:
 
     def record_outcome(self, failed: bool) -> None:
         self.outcomes.append((self.clock(), failed))
+
+    def first_token_rate(self, over_s: float = 2.0) -> float:
+        """First tokens per second over the last `over_s`: the load the pool is serving now
+        (requests still queued have none yet, so a full engine reads at what it gets through)."""
+        self._trim(self.ttfts)
+        cutoff = self.clock() - over_s
+        return sum(1 for _ in itertools.takewhile(lambda e: e[0] >= cutoff, reversed(self.ttfts))) / over_s
 
     def ttft_p95(self) -> float | None:
         self._trim(self.ttfts)

@@ -56,13 +56,18 @@ class Pool:
         """Load the models (blocking: tens of seconds on CPU) and the monitors' sources."""
         self.ladder.start(self.config.standby)
         sources = {
-            "kv_cache": KvCache(lambda: self.primary.stats),
+            "kv_cache": KvCache(lambda: self.primary.stats, rate=self.window.first_token_rate, holding=self._kv_holding),
             "cpu_load": CpuLoad(),
             "gpu_memory": GpuMemory(),
             "ttft_p95": FromFunction("ttft_p95", self.window.ttft_p95),
             "error_rate": FromFunction("error_rate", self.window.error_rate),
         }
         self.readings = Readings(sources, self.faults)
+
+    def _kv_holding(self) -> bool:
+        """A kv-cache breaker has moved new requests off the primary (its recovery then reads
+        the pool's demand, monitors.KvCache)."""
+        return any(b.config.signal == "kv_cache" and "degrade" in b.actions for b in self.breakers)
 
     def _kv_cache_usage(self) -> float | None:
         return self.readings.read("kv_cache") if self.readings is not None else None

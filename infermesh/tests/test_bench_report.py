@@ -100,7 +100,7 @@ def test_the_report_says_when_the_ladder_acted_and_which_windows_began_degraded(
     assert f["degraded_after_s"] == {"median": 5.35, "min": 4.2, "max": 6.5, "rounds": 2}
     text = format_report(rep)
     assert "infermesh 6.0/s: 2/3 windows, after 4.2-6.5 s" in text
-    assert "began with the interactive pool still degraded: envoy-rr 6.0/s (level 2)" in text
+    assert "began with a pool still shedding or degraded: envoy-rr 6.0/s (level 2)" in text
 
 
 def test_overload_windows_outlast_the_kv_breakers_sustain_and_escalation():

@@ -288,3 +288,91 @@ def test_kv_cache_reads_the_peak_of_recent_steps_so_a_churning_full_cache_opens_
     clock.advance(3.0)
     stats.kv_cache_usage = 0.7
     assert src.read() == 0.0
+
+
+def test_kv_breaker_holds_the_ladder_while_the_pools_demand_would_refill_the_primary():
+    """The bench's overload: the primary fills at what it gets through (3 first tokens/s), the
+    breaker moves new chats to the small model, the primary's cache empties. While the pool still
+    serves 6 chats/s, the reading is that demand in the primary's terms and the ladder holds; once
+    the load has gone, the breaker steps back with its usual holds."""
+    from infermesh.sidecar.monitors import EngineStats, KvCache, RequestWindow
+
+    clock = FakeClock()
+    stats, window = EngineStats(), RequestWindow(30.0, clock=clock)
+    cfg = BreakerConfig(signal="kv_cache", trip_above=0.90, recover_below=0.50, sustain_s=2, recover_sustain_s=5,
+                        actions=["shed", "degrade"], escalate_after_s=0, half_open_timeout_s=5)
+    b = Breaker("kv-cache", cfg, clock)
+    src = KvCache(lambda: stats, clock=clock, rate=window.first_token_rate, holding=lambda: "degrade" in b.actions)
+
+    def run(seconds: float, kv: float, running: int, chats_per_s: float) -> list[float | None]:
+        out, every = [], max(1, round(10 / chats_per_s)) if chats_per_s else 0
+        for i in range(round(seconds * 10)):
+            clock.advance(0.1)
+            if kv is not None:
+                stats.record(kv, running=running, waiting=0, now=clock())
+            if every and i % every == 0:
+                window.record_ttft(0.2)
+            if i % 2 == 1:
+                out.append(src.read())
+                b.observe(out[-1])
+        return out
+
+    run(4.0, 0.98, 10, 3.0)  # full at 3 first tokens/s
+    assert b.state is State.OPEN and b.actions == ("shed", "degrade")
+    assert src.kv_per_rate == pytest.approx(0.98 / 3.0, rel=0.2)
+    # New chats on the small model at 6/s; the primary's steps stop (it drained): its own
+    # reading is 0, the demand reads the cache full, and the ladder holds for 20 s.
+    stats.record(0.0, running=0, waiting=0, now=clock())
+    held = run(20.0, None, 0, 6.0)
+    assert b.actions == ("shed", "degrade") and min(held[8:]) == 1.0
+    # The load goes: the rate falls to 0 within 2 s, then the usual two 5 s holds and half-open.
+    run(2.5, None, 0, 0.0)
+    assert src.demand() == 0.0
+    run(11.0, None, 0, 0.0)
+    assert b.state is State.HALF_OPEN and b.level == 0
+
+
+def test_kv_demand_without_holding_is_the_primarys_own_reading():
+    from infermesh.sidecar.monitors import EngineStats, KvCache, RequestWindow
+
+    clock = FakeClock()
+    stats, window = EngineStats(), RequestWindow(30.0, clock=clock)
+    src = KvCache(lambda: stats, clock=clock, rate=window.first_token_rate, holding=lambda: False)
+    for _ in range(10):
+        clock.advance(0.1)
+        window.record_ttft(0.1)
+        stats.record(0.4, running=4, waiting=0, now=clock())
+    # Below LEARN_ABOVE: nothing learnt, and the reading is the primary's peak.
+    assert src.read() == 0.4 and src.kv_per_rate is None
+    assert window.first_token_rate(2.0) == 5.0 and window.first_token_rate(1.0) == 10.0
+
+
+def test_the_pool_reads_demand_only_while_its_kv_breaker_holds_the_ladder(make_pool, monkeypatch):
+    """The wiring in pool.py: the kv-cache source gets the pool's first-token rate and is told
+    when a kv_cache breaker's `degrade` is on (another breaker's does not count)."""
+    from infermesh.sidecar.tests.conftest import FakeClock
+
+    clock = FakeClock()
+    pool = make_pool({"pool": "interactive",
+                      "models": [{"name": "big", "path": "/x"}, {"name": "small", "path": "/y"}],
+                      "breakers": {
+                          "kv": {"signal": "kv_cache", "trip_above": 0.9, "recover_below": 0.5, "sustain_s": 1,
+                                 "actions": ["shed", "degrade"], "escalate_after_s": 0},
+                          "ttft": {"signal": "ttft_p95", "trip_above": 2.0, "recover_below": 1.0, "sustain_s": 1,
+                                   "actions": ["degrade"]}}}, clock)
+    monkeypatch.setattr(pool.ladder, "start", lambda standby: None)  # loaded already; no GPU probe (torch import)
+    pool.start()
+    src = pool.readings.sources["kv_cache"]
+    assert src.rate == pool.window.first_token_rate and src.holding() is False
+
+    def tick(seconds: float) -> None:
+        for _ in range(int(seconds / 0.25)):
+            clock.t += 0.25
+            pool.sample()
+
+    pool.faults.set("ttft_p95", 3.0, 1000)
+    tick(1.5)
+    assert "degrade" in pool.policy.actions and src.holding() is False  # the TTFT breaker's degrade
+    pool.faults.set("kv_cache", 0.97, 1000)
+    tick(1.5)
+    assert src.holding() is True
