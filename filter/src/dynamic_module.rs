@@ -28,9 +28,6 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// The state endpoint of a sidecar's serving port (sidecar/state_api.py).
-pub const STATE_PATH: &str = "/infermesh/state";
-
 /// Why the pool state table could not use something (as in `glue.rs`): the filter routes normally.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StateError {

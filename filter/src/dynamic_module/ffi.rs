@@ -4,7 +4,7 @@
 //! (worse than a Wasm VM), so every pointer Envoy hands over is checked and every failed host
 //! call falls back to routing as if the filter were not there.
 
-use super::{probe_answer, pools_to_probe, CounterId, Host, ModuleConfig, Next, StateError, Stream, STATE_PATH};
+use super::{probe_answer, pools_to_probe, CounterId, Host, ModuleConfig, Next, StateError, Stream};
 use crate::config::FilterConfig;
 use crate::envoy_abi::*;
 use crate::pool_state::HEADER_POOL_LEVEL;
@@ -14,6 +14,9 @@ use std::os::raw::c_char;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+/// The state endpoint of a sidecar's serving port (sidecar/state_api.py).
+const STATE_PATH: &str = "/infermesh/state";
 
 /// A non-null pointer for the do-nothing build's hooks, which must return one.
 static NOOP: u8 = 0;
