@@ -48,7 +48,7 @@ NATIVE = {
     "native-body": ("body", NATIVE_SO),
     "native-degraded": ("headers-degraded", NATIVE_SO),
 }
-BASE_VARIANTS = ("no-filter", "wasm-noop", "headers-wasm", "body", "headers-degraded")
+BASE_VARIANTS = ("no-filter", "wasm-noop", "headers-only", "headers-wasm", "body", "headers-degraded")
 VARIANTS = BASE_VARIANTS + tuple(NATIVE)
 
 

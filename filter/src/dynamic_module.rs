@@ -52,12 +52,15 @@ impl From<ReadingError> for StateError {
 /// A counter, as the host defined it (`None`: its definition failed; counting it is a no-op).
 pub type CounterId = Option<usize>;
 
-/// What the filter needs from Envoy for one stream. Header values borrowed from the host are
+/// What the filter needs from Envoy for one stream. Header bytes borrowed from the host are
 /// valid until the next write (the ABI's rule), which the borrow of `&self` enforces here.
 pub trait Host {
-    /// All request headers (values that are not UTF-8 are left out: no rule can match them).
-    fn request_headers(&self) -> Vec<(&str, &str)>;
+    /// All request headers, as Envoy holds them (a value is read as UTF-8 only when looked up).
+    fn request_headers(&self) -> Vec<(&[u8], &[u8])>;
+    /// Replace (or, with `None`, remove) a request header.
     fn set_request_header(&mut self, name: &str, value: Option<&str>);
+    /// Add a request header the map does not hold yet (cheaper than a replace).
+    fn add_request_header(&mut self, name: &str, value: &str);
     fn clear_route_cache(&mut self);
     /// The request body received so far (buffered and the chunk of this call), in one piece.
     fn request_body(&self) -> Cow<'_, [u8]>;
@@ -192,13 +195,39 @@ impl ModuleConfig {
     }
 }
 
-/// A header snapshot as `classify` reads it.
-struct View<'a>(&'a [(&'a str, &'a str)]);
+/// A header snapshot as `classify` reads it (a value that is not UTF-8 is absent: no rule can
+/// match it).
+struct View<'a>(&'a [(&'a [u8], &'a [u8])]);
 
 impl View<'_> {
     fn get(&self, name: &str) -> Option<&str> {
-        self.0.iter().find(|(k, _)| *k == name).map(|(_, v)| *v)
+        self.0.iter().find(|(k, _)| *k == name.as_bytes()).and_then(|(_, v)| std::str::from_utf8(v).ok())
     }
+}
+
+fn is_internal(name: &[u8]) -> bool {
+    name.starts_with(INTERNAL_HEADER_PREFIX.as_bytes())
+}
+
+/// The header-only part of a decision: the outcome, whether the request generates, and why
+/// the body cannot be used if a body rule asks for it.
+type HeadDecision<'c> = (Outcome<'c>, bool, Option<Fallback>);
+
+fn decide_on_headers<'c>(config: &'c FilterConfig, headers: &[(&[u8], &[u8])], end_of_stream: bool) -> HeadDecision<'c> {
+    let view = View(headers);
+    let outcome = classify(config, &view, Body::NotYet);
+    let generates = costs_generation(view.get(":method").unwrap_or(""), view.get(":path").unwrap_or(""));
+    let why = match outcome {
+        Outcome::Decided(_) => None,
+        Outcome::NeedBody if end_of_stream => Some(Fallback::Missing),
+        Outcome::NeedBody if !is_json(view.get("content-type")) => Some(Fallback::NotJson),
+        Outcome::NeedBody => match view.get("content-length").map(|v| v.trim().parse::<usize>()) {
+            Some(Ok(0)) => Some(Fallback::Missing),
+            Some(Ok(n)) if n > config.max_body_bytes => Some(Fallback::TooLarge),
+            _ => None,
+        },
+    };
+    (outcome, generates, why)
 }
 
 impl RequestView for View<'_> {
@@ -227,6 +256,9 @@ pub enum Next {
 #[derive(Default, Debug)]
 pub struct Stream {
     waiting_for_body: bool,
+    /// A trusted peer's partial decision is in the header map: the decision's headers replace
+    /// it (otherwise they are added: the map holds no x-infermesh-* header then).
+    replace_headers: bool,
 }
 
 fn is_json(content_type: Option<&str>) -> bool {
@@ -258,64 +290,62 @@ fn source_is_trusted<H: Host>(config: &FilterConfig, host: &H) -> bool {
 impl Stream {
     pub fn on_request_headers<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H, end_of_stream: bool) -> Next {
         let config = &cfg.filter;
-        let spoofed = host.request_headers().iter().any(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX));
-        if spoofed {
-            if source_is_trusted(config, host) {
-                let kept = {
-                    let headers = host.request_headers();
-                    let view = View(&headers);
-                    match (view.get(HEADER_CLASS), view.get(HEADER_POOL)) {
-                        (Some(c), Some(p)) => {
-                            Some(cfg.metrics.trusted.get(&(c.to_string(), p.to_string())).copied().unwrap_or(cfg.metrics.trusted_other))
-                        }
-                        _ => None,
-                    }
-                };
-                if let Some(id) = kept {
-                    // An upstream infermesh hop already decided: keep its headers as they are.
-                    host.count(id);
-                    return Next::Continue;
-                }
-                // A partial decision (no class or no pool): decided here, and the decision's
-                // headers replace what the peer sent (they are always set, never added).
-            } else {
-                let names: Vec<String> = host
-                    .request_headers()
-                    .iter()
-                    .filter(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX))
-                    .map(|(k, _)| k.to_string())
-                    .collect();
-                for n in &names {
-                    host.set_request_header(n, None);
-                }
-                host.count(cfg.metrics.stripped);
-            }
-        }
-        let (outcome, generates, why) = {
+        // One snapshot for the common case: no client-sent x-infermesh-* header.
+        let clean = {
             let headers = host.request_headers();
-            let view = View(&headers);
-            let outcome = classify(config, &view, Body::NotYet);
-            let generates = costs_generation(view.get(":method").unwrap_or(""), view.get(":path").unwrap_or(""));
-            let why = match outcome {
-                Outcome::Decided(_) => None,
-                Outcome::NeedBody if end_of_stream => Some(Fallback::Missing),
-                Outcome::NeedBody if !is_json(view.get("content-type")) => Some(Fallback::NotJson),
-                Outcome::NeedBody => match view.get("content-length").map(|v| v.trim().parse::<usize>()) {
-                    Some(Ok(0)) => Some(Fallback::Missing),
-                    Some(Ok(n)) if n > config.max_body_bytes => Some(Fallback::TooLarge),
-                    _ => None,
-                },
-            };
-            (outcome, generates, why)
+            if headers.iter().any(|(k, _)| is_internal(k)) {
+                None
+            } else {
+                Some(decide_on_headers(config, &headers, end_of_stream))
+            }
         };
-        match (outcome, why) {
-            (Outcome::Decided(d), _) => self.write(cfg, host, &d, generates),
-            (Outcome::NeedBody, Some(why)) => self.decide_now(cfg, host, Body::Unavailable(why), generates),
-            (Outcome::NeedBody, None) => {
+        let head = match clean {
+            Some(head) => head,
+            None => match self.strip_or_keep(cfg, host, end_of_stream) {
+                Some(head) => head,
+                None => return Next::Continue,
+            },
+        };
+        match head {
+            (Outcome::Decided(d), generates, _) => self.write(cfg, host, &d, generates),
+            (Outcome::NeedBody, generates, Some(why)) => self.decide_now(cfg, host, Body::Unavailable(why), generates),
+            (Outcome::NeedBody, _, None) => {
                 self.waiting_for_body = true;
                 Next::Wait
             }
         }
+    }
+
+    /// A request with `x-infermesh-*` headers: a trusted peer's complete decision is kept (None:
+    /// nothing to decide); anything else is stripped (or, from a trusted peer, replaced by the
+    /// decision) and decided on the headers that remain.
+    fn strip_or_keep<'c, H: Host>(&mut self, cfg: &'c ModuleConfig, host: &mut H, end_of_stream: bool) -> Option<HeadDecision<'c>> {
+        if source_is_trusted(&cfg.filter, host) {
+            let kept = {
+                let headers = host.request_headers();
+                let view = View(&headers);
+                match (view.get(HEADER_CLASS), view.get(HEADER_POOL)) {
+                    (Some(c), Some(p)) => Some(cfg.metrics.trusted.get(&(c.to_string(), p.to_string())).copied().unwrap_or(cfg.metrics.trusted_other)),
+                    _ => None,
+                }
+            };
+            if let Some(id) = kept {
+                // An upstream infermesh hop already decided: keep its headers as they are.
+                host.count(id);
+                return None;
+            }
+            // A partial decision: the decision's headers replace what the peer sent.
+            self.replace_headers = true;
+        } else {
+            let names: Vec<String> =
+                host.request_headers().iter().filter(|(k, _)| is_internal(k)).map(|(k, _)| String::from_utf8_lossy(k).into_owned()).collect();
+            for n in &names {
+                host.set_request_header(n, None);
+            }
+            host.count(cfg.metrics.stripped);
+        }
+        let headers = host.request_headers();
+        Some(decide_on_headers(&cfg.filter, &headers, end_of_stream))
     }
 
     pub fn on_request_body<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H, end_of_stream: bool) -> Next {
@@ -396,7 +426,7 @@ impl Stream {
                 Verdict::Spill(to) => {
                     pool = to;
                     host.count(m.spilled.get(d.pool).copied().flatten());
-                    host.set_request_header(HEADER_SPILLED_FROM, Some(d.pool));
+                    self.put(host, HEADER_SPILLED_FROM, d.pool);
                 }
                 Verdict::Shed => {
                     count_decision(m, host, d);
@@ -409,12 +439,22 @@ impl Stream {
         let headers = [(HEADER_CLASS, d.class), (HEADER_POOL, pool), (HEADER_RULE, d.rule), (HEADER_OBJECTIVE, d.objective)];
         let n = if config.emit_objective_header { 4 } else { 3 };
         for (name, value) in headers.iter().take(n) {
-            host.set_request_header(name, Some(value));
+            self.put(host, name, value);
         }
         // One clear for all the writes: the route is chosen again on the new headers.
         host.clear_route_cache();
         count_decision(m, host, d);
         Next::Continue
+    }
+}
+
+impl Stream {
+    fn put<H: Host>(&self, host: &mut H, name: &str, value: &str) {
+        if self.replace_headers {
+            host.set_request_header(name, Some(value));
+        } else {
+            host.add_request_header(name, value);
+        }
     }
 }
 

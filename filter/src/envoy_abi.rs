@@ -157,6 +157,13 @@ extern "C" {
         key: ModuleBuffer,
         value: ModuleBuffer,
     ) -> bool;
+    /// Adds a value (the filter adds only headers the map does not hold).
+    pub fn envoy_dynamic_module_callback_http_add_header(
+        filter: FilterEnvoyPtr,
+        header_type: HeaderType,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
     pub fn envoy_dynamic_module_callback_http_clear_route_cache(filter: FilterEnvoyPtr);
     pub fn envoy_dynamic_module_callback_http_send_response(
         filter: FilterEnvoyPtr,

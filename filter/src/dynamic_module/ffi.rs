@@ -31,10 +31,15 @@ struct Envoy {
     ptr: FilterEnvoyPtr,
 }
 
+/// # Safety
+/// Envoy's bytes, valid for the current hook until the next write; the 'static is bounded by
+/// the Host trait's borrow of `&self` (or, in a callout hook, by the hook).
+unsafe fn bytes(ptr: *const c_char, len: usize) -> &'static [u8] {
+    EnvoyBuffer { ptr, length: len }.as_bytes()
+}
+
 fn utf8(ptr: *const c_char, len: usize) -> Option<&'static str> {
-    // The 'static is a lie the Host trait's borrow of &self bounds: the caller never keeps it
-    // past the next write.
-    std::str::from_utf8(unsafe { EnvoyBuffer { ptr, length: len }.as_bytes() }).ok()
+    std::str::from_utf8(unsafe { bytes(ptr, len) }).ok()
 }
 
 impl Envoy {
@@ -65,13 +70,30 @@ impl Envoy {
 }
 
 impl Host for Envoy {
-    fn request_headers(&self) -> Vec<(&str, &str)> {
+    fn request_headers(&self) -> Vec<(&[u8], &[u8])> {
+        const NONE: EnvoyHeader = EnvoyHeader { key_ptr: std::ptr::null(), key_length: 0, value_ptr: std::ptr::null(), value_length: 0 };
         let n = unsafe { envoy_dynamic_module_callback_http_get_headers_size(self.ptr, REQUEST_HEADER) };
-        let mut raw = vec![EnvoyHeader { key_ptr: std::ptr::null(), key_length: 0, value_ptr: std::ptr::null(), value_length: 0 }; n];
+        // On the stack for any ordinary request; the heap only for one with many headers.
+        let mut stack = [NONE; 32];
+        let mut heap = Vec::new();
+        let raw: &mut [EnvoyHeader] = if n <= stack.len() {
+            &mut stack[..n]
+        } else {
+            heap.resize(n, NONE);
+            &mut heap
+        };
         if n == 0 || !unsafe { envoy_dynamic_module_callback_http_get_headers(self.ptr, REQUEST_HEADER, raw.as_mut_ptr()) } {
             return Vec::new();
         }
-        raw.iter().filter_map(|h| Some((utf8(h.key_ptr, h.key_length)?, utf8(h.value_ptr, h.value_length)?))).collect()
+        raw.iter()
+            .map(|h| unsafe { (bytes(h.key_ptr, h.key_length), bytes(h.value_ptr, h.value_length)) })
+            .collect()
+    }
+
+    fn add_request_header(&mut self, name: &str, value: &str) {
+        unsafe {
+            envoy_dynamic_module_callback_http_add_header(self.ptr, REQUEST_HEADER, ModuleBuffer::of(name.as_bytes()), ModuleBuffer::of(value.as_bytes()))
+        };
     }
 
     fn set_request_header(&mut self, name: &str, value: Option<&str>) {

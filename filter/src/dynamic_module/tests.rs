@@ -30,8 +30,12 @@ impl FakeHost {
 }
 
 impl Host for FakeHost {
-    fn request_headers(&self) -> Vec<(&str, &str)> {
-        self.request.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+    fn request_headers(&self) -> Vec<(&[u8], &[u8])> {
+        self.request.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())).collect()
+    }
+    fn add_request_header(&mut self, name: &str, value: &str) {
+        assert!(self.header(name).is_none(), "added over an existing {name}");
+        self.request.push((name.to_string(), value.to_string()));
     }
     fn set_request_header(&mut self, name: &str, value: Option<&str>) {
         self.request.retain(|(k, _)| k != name);
