@@ -1,7 +1,8 @@
 //! infermesh proxy-wasm filter.
 //!
 //! The decision logic lives in [`config`], [`classify`] and [`body`] (whose bytes `json_scan`
-//! reads) and makes no host calls, so it is tested natively with `cargo test`. The proxy-wasm glue in `glue.rs` is compiled for wasm32 only.
+//! reads) and makes no host calls, so it is tested natively with `cargo test`. The proxy-wasm glue in `glue.rs` is compiled for wasm32 only;
+//! `dynamic_module.rs` (feature `dynamic-module`) is the same filter as a native Envoy dynamic module.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod body;
@@ -12,3 +13,8 @@ mod json_scan;
 
 #[cfg(target_arch = "wasm32")]
 mod glue;
+
+#[cfg(all(feature = "dynamic-module", not(target_arch = "wasm32")))]
+mod dynamic_module;
+#[cfg(all(feature = "dynamic-module", not(target_arch = "wasm32")))]
+mod envoy_abi;

@@ -1,0 +1,336 @@
+"""Integration: the filter as a native Envoy dynamic module (feature dynamic-module,
+docs/filter-native-module.md) in the real Envoy binary, against the compiled Wasm filter on the
+same config: both Envoys get the same requests and must reach the same pool with the same
+headers. Then degraded-mode routing through the native module, with the fake sidecars of
+e2e/test_pool_state_integration.py (level header, state endpoint and its faults chosen by the
+test).
+
+The shared object is built by scripts/build-native-filter.sh (incremental: seconds when built).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from e2e.test_filter_envoy_integration import FILTER_CONFIG, EnvoyUnderTest
+from e2e.test_pool_state_integration import LEVEL, FakeSidecar, batch, chat, get, request, until
+from infermesh import paths
+from infermesh.launcher import free_ports
+from infermesh.meshconfig.envoy_bootstrap import MeshListener, PoolEndpoint, write_bootstrap
+from infermesh.meshconfig.local_mesh import LocalMeshPlan, PoolPorts
+from infermesh.meshconfig.policy import load_policy
+
+sys.path.insert(0, str(paths.REPO_ROOT / "filter" / "bench"))
+from native_module import NATIVE_SO, to_native  # noqa: E402
+
+E2E_POLICY = Path(__file__).resolve().parent / "policy-e2e.yaml"
+# The native module's counters: Envoy's dynamic-modules namespace, then the Wasm filter's names.
+STATS_PREFIX = "dynamicmodulescustom."
+
+
+@pytest.fixture(scope="module")
+def native_so() -> Path:
+    subprocess.run(["bash", str(paths.REPO_ROOT / "scripts" / "build-native-filter.sh")], check=True, capture_output=True)
+    assert NATIVE_SO.exists()
+    return NATIVE_SO
+
+
+class NativeEnvoy(EnvoyUnderTest):
+    """EnvoyUnderTest's Envoy with the Wasm filter swapped for the native module."""
+
+    def __init__(self, workdir: Path, filter_config: dict | str, pools: dict[str, int], module: Path, native_rules: bool = True):
+        self.listen, self.admin_port = free_ports(2)
+        listener = MeshListener("127.0.0.1", self.listen, self.admin_port, paths.filter_wasm(),
+                                filter_config if isinstance(filter_config, dict) else {},
+                                [PoolEndpoint(n, "127.0.0.1", p) for n, p in pools.items()], "batch", native_rules=native_rules)
+        boot = write_bootstrap(listener, workdir / "envoy.json")
+        doc = json.loads(boot.read_text())
+        if not isinstance(filter_config, dict):  # a raw (possibly invalid) config string
+            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"] = filter_config
+        to_native(doc, module)
+        boot.write_text(json.dumps(doc))
+        self.log_path = workdir / "envoy.log"
+        self.proc = subprocess.Popen(
+            [str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "info"],
+            stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+        )
+        self.base = f"http://127.0.0.1:{self.listen}"
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
+
+
+def stats(admin: str) -> dict[str, int]:
+    text = urllib.request.urlopen(admin + "/stats?filter=^" + STATS_PREFIX.replace(".", r"\.") + "infermesh", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        if value.strip().isdigit():
+            out[name[len(STATS_PREFIX):]] = int(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(upstreams, native_so, tmp_path_factory):
+    """The Wasm filter and the native module, each deciding every request (native rules off)."""
+    envoys = {"wasm": EnvoyUnderTest(tmp_path_factory.mktemp("wasm"), FILTER_CONFIG, upstreams, native_rules=False),
+              "native": NativeEnvoy(tmp_path_factory.mktemp("native"), FILTER_CONFIG, upstreams, native_so, native_rules=False)}
+    for name, e in envoys.items():
+        assert e.wait_ready(), f"{name} envoy did not start:\n" + e.log()[-3000:]
+    yield envoys
+    for e in envoys.values():
+        e.stop()
+
+
+def test_envoy_loads_the_module_with_a_matching_abi(pair):
+    log = pair["native"].log()
+    assert "Dynamic module ABI version v0.2.0 matched" in log, log[-2000:]
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+REQUESTS = [
+    ("POST", "/v1/chat/completions", {}, CHAT | {"stream": True}),
+    ("POST", "/v1/completions", {}, {}),
+    ("GET", "/v1/chat/completions", {}, None),
+    ("GET", "/anything?x=1", {}, None),
+    ("POST", "/v1/completions", {"x-priority": "high"}, {"max_tokens": 5000, "model": "eval-x"}),
+    ("POST", "/v1/chat/completions", {}, {"messages": [], "max_tokens": 4096}),
+    ("POST", "/v1/chat/completions", {}, {"messages": [], "max_completion_tokens": 4096, "max_tokens": 1}),
+    ("POST", "/v1/chat/completions", {}, {"messages": [], "max_tokens": 4096, "stream": True}),
+    ("POST", "/v1/chat/completions", {}, {"messages": [], "n": 8}),
+    ("POST", "/v1/completions", {}, {"prompt": "x", "service_tier": "priority"}),
+    ("POST", "/v1/completions", {}, {"prompt": "x", "model": "eval-llama"}),
+    ("POST", "/v1/chat/completions", {}, {"model": "eval-llama", "stream": True}),
+    ("POST", "/v1/chat/completions?api-version=2", {}, CHAT | {"stream": False, "max_tokens": 2000}),
+    ("POST", "/v1/chat/completions", {"content-type": "text/plain"}, {"max_tokens": 5000}),
+    ("POST", "/v1/chat/completions", {"content-type": "application/grpc"}, {"max_tokens": 5000}),
+    ("POST", "/infermesh.v1.Inference/Generate", {"content-type": "application/grpc"}, b"\x00\x00\x00\x00\x02\x08\x01"),
+    ("POST", "/v1/chat/completions", {}, bytes(range(256)) * 64),
+    ("POST", "/v1/chat/completions", {}, b""),
+    ("POST", "/v1/chat/completions", {}, {"max_tokens": 5000, "messages": [{"role": "user", "content": "x" * (1536 * 1024)}]}),
+    # Spoofed routing headers: replaced by the decision, every x-infermesh-* one stripped.
+    ("POST", "/v1/completions", {"x-infermesh-pool": "interactive", "x-infermesh-class": "interactive", "x-infermesh-rule": "chat",
+                                 "x-infermesh-debug": "1"}, {}),
+    ("POST", "/v1/chat/completions", {"x-infermesh-pool": "batch"}, CHAT | {"stream": True}),
+]
+
+
+def send(base: str, method: str, path: str, headers: dict, body) -> tuple:
+    data = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, method=method, headers={"content-type": "application/json"} | headers)
+    with urllib.request.urlopen(req, timeout=20) as r:
+        assert r.status == 200
+        got = json.loads(r.read())
+    h = got["headers"]
+    internal = sorted(k for k in h if k.startswith("x-infermesh-") and k not in ("x-infermesh-class", "x-infermesh-pool", "x-infermesh-rule"))
+    return (got["upstream"], h.get("x-infermesh-pool"), h.get("x-infermesh-class"), h.get("x-infermesh-rule"),
+            h.get("x-gateway-inference-objective"), got["body_len"], internal)
+
+
+@pytest.mark.parametrize("method, path, headers, body", REQUESTS, ids=[f"{m} {p} {sorted(h)}" for m, p, h, _ in REQUESTS])
+def test_same_verdict_as_the_wasm_filter(pair, method, path, headers, body):
+    wasm = send(pair["wasm"].base, method, path, headers, body)
+    native = send(pair["native"].base, method, path, headers, body)
+    assert native == wasm
+    assert native[0] == native[1], "the route follows the pool header"
+
+
+def test_body_rules_and_fallbacks_are_counted_as_the_wasm_filter_counts_them(pair):
+    native = pair["native"]
+    before = stats(native.admin)
+    send(native.base, "POST", "/v1/chat/completions", {}, {"n": 9})
+    send(native.base, "POST", "/v1/chat/completions", {}, bytes(range(256)) * 4)
+    send(native.base, "POST", "/v1/completions", {"x-infermesh-pool": "interactive"}, {})
+    after = stats(native.admin)
+    for name in ("infermesh.requests_total.class.batch.pool.batch.rule.chat-many",
+                 "infermesh.body_fallbacks_total.reason.invalid_json", "infermesh.stripped_requests_total"):
+        assert after.get(name, 0) == before.get(name, 0) + 1, name
+
+
+def test_chunked_bodies(pair):
+    for name, e in pair.items():
+        conn = http.client.HTTPConnection("127.0.0.1", e.listen, timeout=20)
+        body = json.dumps({"n": 5}).encode()
+        conn.request("POST", "/v1/chat/completions", body=iter([body[:3], body[3:]]), headers={"content-type": "application/json"},
+                     encode_chunked=True)
+        r = conn.getresponse()
+        got = json.loads(r.read())
+        assert r.status == 200 and got["headers"]["x-infermesh-rule"] == "chat-many", name
+        # A chunked body that outgrows body.max_bytes: let go, decided on the headers, delivered whole.
+        conn = http.client.HTTPConnection("127.0.0.1", e.listen, timeout=20)
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("content-type", "application/json")
+        conn.putheader("transfer-encoding", "chunked")
+        conn.endheaders()
+        head, piece, tail = b'{"max_tokens": 5000, "messages": [{"role":"user","content":"', b"x" * 65536, b'"}]}'
+        conn.send(b"%x\r\n%s\r\n" % (len(head), head))
+        for _ in range(20):
+            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        conn.send(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
+        r = conn.getresponse()
+        got = json.loads(r.read())
+        assert r.status == 200 and got["headers"]["x-infermesh-rule"] == "chat" and got["body_len"] > 20 * 65536, name
+
+
+def test_a_trusted_source_keeps_an_upstream_decision(upstreams, native_so, tmp_path):
+    cfg = dict(FILTER_CONFIG, trusted_sources={"cidrs": ["127.0.0.0/8"]})
+    e = NativeEnvoy(tmp_path, cfg, upstreams, native_so, native_rules=False)
+    try:
+        assert e.wait_ready(), e.log()[-2000:]
+        got = send(e.base, "POST", "/v1/completions", {"x-infermesh-pool": "interactive", "x-infermesh-class": "interactive"}, {})
+        assert got[:4] == ("interactive", "interactive", "interactive", None), "kept as the trusted hop sent it"
+        # Without a complete decision the trusted hop's partial headers do not skip classification.
+        assert send(e.base, "POST", "/v1/chat/completions", {"x-infermesh-rule": "x"}, {})[3] == "chat"
+        assert stats(e.admin).get("infermesh.requests_total.class.interactive.pool.interactive.rule.trusted") == 1
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ('{"version": 1, "default_class": "nope", "classes": {"batch": {"pool": "batch"}}}', "default_class"),
+        ('{"version": 2, "default_class": "batch", "classes": {"batch": {"pool": "batch"}}}', "version"),
+        ("not json at all", "$"),
+    ],
+)
+def test_an_invalid_config_is_refused_with_the_field_named(upstreams, native_so, tmp_path, bad, field):
+    e = NativeEnvoy(tmp_path, bad, upstreams, native_so)
+    try:
+        assert not e.wait_ready(timeout=15), "a static config the module refuses: Envoy does not start"
+        assert f"invalid infermesh filter config at `{field}`" in e.log()
+    finally:
+        e.stop()
+
+
+# ---- degraded-mode routing: the process-wide state table ----------------------------------------
+
+@pytest.fixture(scope="module")
+def mesh(native_so, tmp_path_factory):
+    """The e2e policy's routes and filter config (interactive spills to batch and batch is shed
+    at level 3), the native module in place of the Wasm filter, two workers, two fake sidecars."""
+    work = tmp_path_factory.mktemp("native-pool-state")
+    policy = load_policy(E2E_POLICY)
+    listen, admin, p_int, p_batch = free_ports(4)
+    sidecars = {"interactive": FakeSidecar("interactive", p_int), "batch": FakeSidecar("batch", p_batch)}
+    plan = LocalMeshPlan(policy_path=E2E_POLICY, policy=policy, listen_port=listen, admin_port=admin,
+                         pools=[PoolPorts("interactive", p_int, 0), PoolPorts("batch", p_batch, 0)])
+    m = plan.listener(paths.filter_wasm())
+    m.filter_config["degraded_routing"]["pools"]["gone"] = {"at_level": 3, "probe_cluster": "pool_gone"}
+    boot = write_bootstrap(m, work / "envoy.json")
+    doc = json.loads(boot.read_text())
+    for c in doc["static_resources"]["clusters"]:
+        c.pop("health_checks", None)  # as in test_pool_state_integration: no spill the filter did not make
+    to_native(doc, native_so)
+    boot.write_text(json.dumps(doc))
+    log = work / "envoy.log"
+    proc = subprocess.Popen([str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "2",
+                             "--log-level", "info"], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    base, admin_url = f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if urllib.request.urlopen(admin_url + "/ready", timeout=1).status == 200 and get(base, "/v1/models")[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.1)
+    else:
+        pytest.fail("envoy did not start:\n" + log.read_text()[-3000:])
+    yield base, admin_url, sidecars
+    proc.terminate()
+    proc.wait(timeout=10)
+    for s in sidecars.values():
+        s.shutdown()
+
+
+def normal(base: str, sidecars: dict) -> None:
+    for s in sidecars.values():
+        s.level, s.header, s.state = 0, "ok", "ok"
+    until("chats back on the interactive pool", lambda: chat(base)[2]["upstream"] == "interactive", 10, every=0.1)
+    until("batch served again", lambda: batch(base)[0] == 200, 10, every=0.1)
+
+
+def test_the_level_header_never_reaches_the_client_and_cannot_be_faked(mesh):
+    base, _, sidecars = mesh
+    normal(base, sidecars)
+    status, headers, got = chat(base)
+    assert status == 200 and got["upstream"] == "interactive"
+    assert LEVEL not in {k.lower() for k in headers}
+    for _ in range(20):
+        status, headers, got = chat(base, {LEVEL: "interactive;3;0"})
+        assert got["upstream"] == "interactive" and LEVEL not in got["headers"]
+    assert batch(base)[0] == 200
+
+
+def test_a_degraded_pool_spills_within_a_second_sheds_batch_and_recovers(mesh):
+    base, admin_url, sidecars = mesh
+    normal(base, sidecars)
+    before = stats(admin_url)
+    sidecars["interactive"].level = 3
+    spill_s, (_, _, got) = until("a chat spilled to batch", lambda: (r := chat(base))[2]["upstream"] == "batch" and r, 5)
+    print(f"[native pool-state] under traffic: first spilled chat {spill_s * 1000:.0f} ms after the sidecar reported level 3")
+    assert spill_s < 1.0
+    assert got["headers"]["x-infermesh-class"] == "interactive" and got["headers"]["x-infermesh-spilled-from"] == "interactive"
+    # One process-wide table: every worker sees the level at once, so batch is shed right away.
+    status, headers, body = batch(base)
+    assert status == 429 and headers["retry-after"] == "5" and headers["x-infermesh-shed-by"] == "mesh"
+    assert body["error"]["code"] == "mesh_shedding" and body["error"]["type"] == "rate_limit_error"
+    assert get(base, "/v1/models")[0] == 200, "costs no generation: never shed"
+    assert request(base, "POST", "/tokenize", {"prompt": "x"})[0] == 200
+    for _ in range(20):
+        assert chat(base)[2]["upstream"] == "batch" and batch(base)[0] == 429
+    after = stats(admin_url)
+    assert after["infermesh.spilled_requests_total.pool.interactive"] > before.get("infermesh.spilled_requests_total.pool.interactive", 0)
+    assert after["infermesh.shed_requests_total.class.batch"] > before.get("infermesh.shed_requests_total.class.batch", 0)
+    sidecars["interactive"].level = 0
+    recover_s, _ = until("chats back on interactive", lambda: chat(base)[2]["upstream"] == "interactive", 10)
+    print(f"[native pool-state] back to normal {recover_s * 1000:.0f} ms after level 0 (1 s hold)")
+    assert batch(base)[0] == 200
+
+
+def test_an_idle_pool_is_learned_by_the_probe_within_two_seconds(mesh):
+    base, _, sidecars = mesh
+    normal(base, sidecars)
+    time.sleep(1.0)  # no chat since: only the probe reads the interactive pool
+    probes = sidecars["interactive"].probes
+    sidecars["interactive"].level = 3
+    shed_s, _ = until("batch shed for an idle degraded pool", lambda: batch(base)[0] == 429, 5)
+    print(f"[native pool-state] idle pool: first shed request {shed_s * 1000:.0f} ms after level 3 (probe)")
+    assert shed_s < 2.0 and sidecars["interactive"].probes > probes
+    # One probe per interval (500 ms) for the whole process, whatever the number of workers.
+    n0, t0 = sidecars["interactive"].probes, time.monotonic()
+    time.sleep(3)
+    rate = (sidecars["interactive"].probes - n0) / (time.monotonic() - t0)
+    assert rate <= 2.6, f"{rate:.1f} probes/s"
+    assert batch(base)[0] == 429
+    normal(base, sidecars)
+
+
+@pytest.mark.parametrize("fault, reason", [("garbage", "bad_header"), ("500", "probe_status"), ("hang", "probe_status")])
+def test_garbage_levels_and_failing_probes_leave_routing_normal(mesh, fault, reason):
+    base, admin_url, sidecars = mesh
+    normal(base, sidecars)
+    s = sidecars["interactive"]
+    name = f"infermesh.pool_state_errors_total.reason.{reason}"
+    before = stats(admin_url).get(name, 0)
+    s.level = 3
+    if fault == "garbage":
+        s.header = "garbage"
+        for _ in range(10):
+            status, _, got = chat(base)
+            assert status == 200 and got["upstream"] == "interactive"
+    else:
+        s.state = fault
+        time.sleep(3)
+    until(f"{reason} counted", lambda: stats(admin_url).get(name, 0) > before, 5, every=0.1)
+    assert batch(base)[0] == 200 and chat(base)[0] == 200
+    assert stats(admin_url).get("infermesh.pool_state_errors_total.reason.no_cluster", 0) > 0, "the pool whose cluster is gone"
+    normal(base, sidecars)

@@ -1,0 +1,516 @@
+//! Envoy dynamic-module glue (feature `dynamic-module`): the filter of `glue.rs` as a native
+//! shared object that Envoy's `envoy.filters.http.dynamic_modules` filter loads — no VM, so no
+//! VM entries and no copies of headers or body into one (docs/filter-native-module.md).
+//!
+//! Same decisions as the proxy-wasm glue, on the same pure core (`config`, `classify`, `body`,
+//! `pool_state`). What differs is only what native code allows:
+//! - the pool state table is one process-wide structure (a mutex per pool), not proxy-wasm
+//!   shared data with CAS: every response's level header is read, there is no sampling;
+//! - request headers are read in place (Envoy's buffers) and written once, with one route-cache
+//!   clear after the writes (proxy-wasm's host clears it on every header write);
+//! - the idle-pool probe runs on Envoy's main thread: a ticker thread posts an event through the
+//!   config scheduler, and the event hook sends the config-level HTTP callouts (the ABI has no
+//!   timer for HTTP filters).
+//!
+//! All host access goes through the `Host` trait (`ffi::Envoy` in Envoy, a fake in the tests), so
+//! the request flow here is tested natively.
+
+use crate::body::parse_body;
+use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE, TRUSTED_RULE};
+use crate::config::{
+    DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, HEADER_SPILLED_FROM,
+    INTERNAL_HEADER_PREFIX,
+};
+use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError, Verdict, HEADER_POOL_LEVEL};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Why the pool state table could not use something (as in `glue.rs`): the filter routes normally.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateError {
+    BadHeader = 0,
+    UnknownPool,
+    ProbeFailed,
+    ProbeStatus,
+    NoCluster,
+}
+
+pub const STATE_ERRORS: [&str; 5] = ["bad_header", "unknown_pool", "probe_failed", "probe_status", "no_cluster"];
+
+impl From<ReadingError> for StateError {
+    fn from(e: ReadingError) -> Self {
+        match e {
+            ReadingError::BadHeader => StateError::BadHeader,
+            ReadingError::UnknownPool => StateError::UnknownPool,
+        }
+    }
+}
+
+/// A counter, as the host defined it (`None`: its definition failed; counting it is a no-op).
+pub type CounterId = Option<usize>;
+
+/// What the filter needs from Envoy for one stream. Header bytes borrowed from the host are
+/// valid until the next write (the ABI's rule), which the borrow of `&self` enforces here.
+pub trait Host {
+    /// All request headers, as Envoy holds them (a value is read as UTF-8 only when looked up).
+    fn request_headers(&self) -> Vec<(&[u8], &[u8])>;
+    /// Replace (or, with `None`, remove) a request header.
+    fn set_request_header(&mut self, name: &str, value: Option<&str>);
+    /// Add a request header the map does not hold yet (cheaper than a replace).
+    fn add_request_header(&mut self, name: &str, value: &str);
+    fn clear_route_cache(&mut self);
+    /// The request body received so far (buffered and the chunk of this call), in one piece.
+    fn request_body(&self) -> Cow<'_, [u8]>;
+    fn request_body_size(&self) -> usize;
+    /// `source.address` (`IP:PORT`).
+    fn source_address(&self) -> Option<String>;
+    /// The mTLS peer's URI and DNS SANs.
+    fn peer_principals(&self) -> Vec<String>;
+    fn send_response(&mut self, status: u32, headers: &[(&str, &str)], body: &[u8]);
+    fn response_header(&self, name: &str) -> Option<String>;
+    fn remove_response_header(&mut self, name: &str);
+    fn count(&mut self, id: CounterId);
+}
+
+/// Counter ids, defined once per config (Envoy freezes stat creation after `config_new`).
+#[derive(Default, Debug)]
+pub struct Metrics {
+    /// One per rule, in rule order, then the default rule.
+    pub decisions: Vec<CounterId>,
+    pub fallbacks: [CounterId; 4],
+    pub stripped: CounterId,
+    /// Decisions kept from trusted sources, by (class, pool) of the config (trusted peers name
+    /// configured pools; anything else is counted under `trusted_other`).
+    pub trusted: HashMap<(String, String), CounterId>,
+    pub trusted_other: CounterId,
+    pub spilled: HashMap<String, CounterId>,
+    pub shed: HashMap<String, CounterId>,
+    pub state_errors: [CounterId; 5],
+}
+
+impl Metrics {
+    /// Every counter a config can touch, named as the Wasm filter names them, through `define`.
+    pub fn for_config(config: &FilterConfig, define: &mut dyn FnMut(&str) -> CounterId) -> Metrics {
+        let decision = |define: &mut dyn FnMut(&str) -> CounterId, c: &str, p: &str, r: &str| {
+            define(&format!("infermesh.requests_total.class.{c}.pool.{p}.rule.{r}"))
+        };
+        let mut decisions: Vec<CounterId> = config.rules.iter().map(|r| decision(define, &r.class, &r.pool, &r.name)).collect();
+        decisions.push(decision(define, &config.default_class, &config.default_pool, DEFAULT_RULE));
+        let mut fallbacks = [None; 4];
+        for (slot, f) in fallbacks.iter_mut().zip(Fallback::ALL) {
+            *slot = define(&format!("infermesh.body_fallbacks_total.reason.{}", f.as_str()));
+        }
+        let mut trusted = HashMap::new();
+        let mut trusted_other = None;
+        if !config.trusted.is_empty() {
+            let mut pairs: Vec<(String, String)> = config.rules.iter().map(|r| (r.class.clone(), r.pool.clone())).collect();
+            pairs.push((config.default_class.clone(), config.default_pool.clone()));
+            for (c, p) in pairs {
+                if !trusted.contains_key(&(c.clone(), p.clone())) {
+                    let id = decision(define, &c, &p, TRUSTED_RULE);
+                    trusted.insert((c, p), id);
+                }
+            }
+            trusted_other = define(&format!("infermesh.requests_total.class.other.pool.other.rule.{TRUSTED_RULE}"));
+        }
+        let (mut spilled, mut shed, mut state_errors) = (HashMap::new(), HashMap::new(), [None; 5]);
+        if let Some(d) = &config.degraded {
+            for (name, p) in &d.pools {
+                if p.spill_to.is_some() {
+                    spilled.insert(name.clone(), define(&format!("infermesh.spilled_requests_total.pool.{name}")));
+                }
+                for c in &p.shed_classes {
+                    if !shed.contains_key(c) {
+                        shed.insert(c.clone(), define(&format!("infermesh.shed_requests_total.class.{c}")));
+                    }
+                }
+            }
+            for (slot, reason) in state_errors.iter_mut().zip(STATE_ERRORS) {
+                *slot = define(&format!("infermesh.pool_state_errors_total.reason.{reason}"));
+            }
+        }
+        Metrics { decisions, fallbacks, stripped: define("infermesh.stripped_requests_total"), trusted, trusted_other, spilled, shed, state_errors }
+    }
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The process-wide pool state table: one record per configured pool, each behind its own
+/// mutex (every worker reads it per request and writes it per response; a lock held for the
+/// few comparisons of `degraded` or `observe`).
+#[derive(Default, Debug)]
+pub struct PoolTable {
+    pools: BTreeMap<String, Mutex<PoolRecord>>,
+}
+
+impl PoolTable {
+    pub fn for_config(d: &DegradedRouting) -> PoolTable {
+        PoolTable { pools: d.pools.keys().map(|p| (p.clone(), Mutex::new(PoolRecord::default()))).collect() }
+    }
+
+    pub fn is_degraded(&self, d: &DegradedRouting, pool: &str, now: u64) -> bool {
+        match (self.pools.get(pool), d.pools.get(pool)) {
+            (Some(rec), Some(p)) => rec.lock().map_or(false, |r| r.degraded(&p.rule, now)),
+            _ => false,
+        }
+    }
+
+    /// The newest reading of `pool` (0: none).
+    pub fn newest_ms(&self, pool: &str) -> u64 {
+        self.pools.get(pool).and_then(|r| r.lock().ok().map(|r| r.newest_ms())).unwrap_or(0)
+    }
+
+    /// One `x-infermesh-pool-level` value, from a response or a probe.
+    pub fn report(&self, d: &DegradedRouting, value: &str, now: u64) -> Result<(), StateError> {
+        let r = parse_report(value)?;
+        match (self.pools.get(r.pool), d.pools.get(r.pool)) {
+            (Some(rec), Some(p)) => {
+                if let Ok(mut rec) = rec.lock() {
+                    rec.observe(&p.rule, r.replica, r.level, now);
+                }
+                Ok(())
+            }
+            _ => Err(StateError::UnknownPool),
+        }
+    }
+}
+
+/// One accepted configuration, shared by every worker's streams.
+pub struct ModuleConfig {
+    pub filter: FilterConfig,
+    pub metrics: Metrics,
+    pub pools: PoolTable,
+}
+
+impl ModuleConfig {
+    pub fn new(filter: FilterConfig, define: &mut dyn FnMut(&str) -> CounterId) -> ModuleConfig {
+        let metrics = Metrics::for_config(&filter, define);
+        let pools = filter.degraded.as_ref().map(PoolTable::for_config).unwrap_or_default();
+        ModuleConfig { filter, metrics, pools }
+    }
+}
+
+/// A header snapshot as `classify` reads it (a value that is not UTF-8 is absent: no rule can
+/// match it).
+struct View<'a>(&'a [(&'a [u8], &'a [u8])]);
+
+impl View<'_> {
+    fn get(&self, name: &str) -> Option<&str> {
+        self.0.iter().find(|(k, _)| *k == name.as_bytes()).and_then(|(_, v)| std::str::from_utf8(v).ok())
+    }
+}
+
+fn is_internal(name: &[u8]) -> bool {
+    name.starts_with(INTERNAL_HEADER_PREFIX.as_bytes())
+}
+
+/// The header-only part of a decision: the outcome, whether the request generates, and why
+/// the body cannot be used if a body rule asks for it.
+type HeadDecision<'c> = (Outcome<'c>, bool, Option<Fallback>);
+
+fn decide_on_headers<'c>(config: &'c FilterConfig, headers: &[(&[u8], &[u8])], end_of_stream: bool) -> HeadDecision<'c> {
+    let view = View(headers);
+    let outcome = classify(config, &view, Body::NotYet);
+    let generates = costs_generation(view.get(":method").unwrap_or(""), view.get(":path").unwrap_or(""));
+    let why = match outcome {
+        Outcome::Decided(_) => None,
+        Outcome::NeedBody if end_of_stream => Some(Fallback::Missing),
+        Outcome::NeedBody if !is_json(view.get("content-type")) => Some(Fallback::NotJson),
+        Outcome::NeedBody => match view.get("content-length").map(|v| v.trim().parse::<usize>()) {
+            Some(Ok(0)) => Some(Fallback::Missing),
+            Some(Ok(n)) if n > config.max_body_bytes => Some(Fallback::TooLarge),
+            _ => None,
+        },
+    };
+    (outcome, generates, why)
+}
+
+impl RequestView for View<'_> {
+    fn method(&self) -> Option<&str> {
+        self.get(":method")
+    }
+    fn path(&self) -> Option<&str> {
+        self.get(":path")
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.get(name)
+    }
+}
+
+/// What a hook tells Envoy to do next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    Continue,
+    /// Headers: stop until the body is in. Body: keep buffering.
+    Wait,
+    /// A local reply was sent: stop without buffering.
+    Answered,
+}
+
+/// One stream's state between hooks.
+#[derive(Default, Debug)]
+pub struct Stream {
+    waiting_for_body: bool,
+    /// A trusted peer's partial decision is in the header map: the decision's headers replace
+    /// it (otherwise they are added: the map holds no x-infermesh-* header then).
+    replace_headers: bool,
+}
+
+fn is_json(content_type: Option<&str>) -> bool {
+    match content_type {
+        // No content type: curl -d does not say JSON; an invalid body falls back anyway.
+        None => true,
+        Some(ct) => {
+            let media = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+            media == "application/json" || media.ends_with("+json")
+        }
+    }
+}
+
+fn source_is_trusted<H: Host>(config: &FilterConfig, host: &H) -> bool {
+    if config.trusted.is_empty() {
+        return false;
+    }
+    if !config.trusted.cidrs.is_empty() {
+        let ip = host.source_address().and_then(|s| s.parse::<SocketAddr>().map(|a| a.ip()).ok().or_else(|| s.parse::<IpAddr>().ok()));
+        if let Some(ip) = ip {
+            if config.trusted.cidrs.iter().any(|c| c.contains(&ip)) {
+                return true;
+            }
+        }
+    }
+    !config.trusted.principals.is_empty() && host.peer_principals().iter().any(|p| config.trusted.principals.iter().any(|t| t == p))
+}
+
+impl Stream {
+    pub fn on_request_headers<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H, end_of_stream: bool) -> Next {
+        let config = &cfg.filter;
+        // One snapshot for the common case: no client-sent x-infermesh-* header.
+        let clean = {
+            let headers = host.request_headers();
+            if headers.iter().any(|(k, _)| is_internal(k)) {
+                None
+            } else {
+                Some(decide_on_headers(config, &headers, end_of_stream))
+            }
+        };
+        let head = match clean {
+            Some(head) => head,
+            None => match self.strip_or_keep(cfg, host, end_of_stream) {
+                Some(head) => head,
+                None => return Next::Continue,
+            },
+        };
+        match head {
+            (Outcome::Decided(d), generates, _) => self.write(cfg, host, &d, generates),
+            (Outcome::NeedBody, generates, Some(why)) => self.decide_now(cfg, host, Body::Unavailable(why), generates),
+            (Outcome::NeedBody, _, None) => {
+                self.waiting_for_body = true;
+                Next::Wait
+            }
+        }
+    }
+
+    /// A request with `x-infermesh-*` headers: a trusted peer's complete decision is kept (None:
+    /// nothing to decide); anything else is stripped (or, from a trusted peer, replaced by the
+    /// decision) and decided on the headers that remain.
+    fn strip_or_keep<'c, H: Host>(&mut self, cfg: &'c ModuleConfig, host: &mut H, end_of_stream: bool) -> Option<HeadDecision<'c>> {
+        if source_is_trusted(&cfg.filter, host) {
+            let kept = {
+                let headers = host.request_headers();
+                let view = View(&headers);
+                match (view.get(HEADER_CLASS), view.get(HEADER_POOL)) {
+                    (Some(c), Some(p)) => Some(cfg.metrics.trusted.get(&(c.to_string(), p.to_string())).copied().unwrap_or(cfg.metrics.trusted_other)),
+                    _ => None,
+                }
+            };
+            if let Some(id) = kept {
+                // An upstream infermesh hop already decided: keep its headers as they are.
+                host.count(id);
+                return None;
+            }
+            // A partial decision: the decision's headers replace what the peer sent.
+            self.replace_headers = true;
+        } else {
+            let names: Vec<String> =
+                host.request_headers().iter().filter(|(k, _)| is_internal(k)).map(|(k, _)| String::from_utf8_lossy(k).into_owned()).collect();
+            for n in &names {
+                host.set_request_header(n, None);
+            }
+            host.count(cfg.metrics.stripped);
+        }
+        let headers = host.request_headers();
+        Some(decide_on_headers(&cfg.filter, &headers, end_of_stream))
+    }
+
+    pub fn on_request_body<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H, end_of_stream: bool) -> Next {
+        if !self.waiting_for_body {
+            return Next::Continue;
+        }
+        let generates = generates(host);
+        if host.request_body_size() > cfg.filter.max_body_bytes {
+            // A chunked body outgrew the limit: let it flow and decide on headers.
+            return self.decide_now(cfg, host, Body::Unavailable(Fallback::TooLarge), generates);
+        }
+        if !end_of_stream {
+            return Next::Wait;
+        }
+        self.decide_on_body(cfg, host, generates)
+    }
+
+    /// A body followed by trailers never reports end_of_stream on the body: decide here.
+    pub fn on_request_trailers<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H) -> Next {
+        if !self.waiting_for_body {
+            return Next::Continue;
+        }
+        let generates = generates(host);
+        self.decide_on_body(cfg, host, generates)
+    }
+
+    /// The replica's level is for the mesh only: read into the state table, never passed on.
+    pub fn on_response_headers<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H) {
+        let value = match &cfg.filter.degraded {
+            Some(_) => host.response_header(HEADER_POOL_LEVEL),
+            None => None,
+        };
+        host.remove_response_header(HEADER_POOL_LEVEL);
+        if let (Some(d), Some(v)) = (&cfg.filter.degraded, value) {
+            if let Err(e) = cfg.pools.report(d, &v, now_ms()) {
+                host.count(cfg.metrics.state_errors[e as usize]);
+            }
+        }
+    }
+
+    fn decide_on_body<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H, generates: bool) -> Next {
+        let parsed = {
+            let bytes = host.request_body();
+            if bytes.is_empty() {
+                Err(Fallback::Missing)
+            } else {
+                parse_body(&bytes).map_err(|_| Fallback::InvalidJson)
+            }
+        };
+        match parsed {
+            Ok(facts) => self.decide_now(cfg, host, Body::Parsed(&facts), generates),
+            Err(why) => self.decide_now(cfg, host, Body::Unavailable(why), generates),
+        }
+    }
+
+    /// Decide with the body known or known to be unavailable (the classifier always decides).
+    fn decide_now<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H, body: Body, generates: bool) -> Next {
+        self.waiting_for_body = false;
+        let outcome = {
+            let headers = host.request_headers();
+            classify(&cfg.filter, &View(&headers), body)
+        };
+        match outcome {
+            Outcome::Decided(d) => self.write(cfg, host, &d, generates),
+            Outcome::NeedBody => Next::Continue,
+        }
+    }
+
+    /// Write the decision, after `when_degraded` had its say.
+    fn write<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H, d: &Decision, generates: bool) -> Next {
+        let config = &cfg.filter;
+        let m = &cfg.metrics;
+        let mut pool = d.pool;
+        if let Some(dr) = &config.degraded {
+            let now = now_ms();
+            match dr.verdict(d.class, d.pool, generates, &mut |p| cfg.pools.is_degraded(dr, p, now)) {
+                Verdict::Normal => {}
+                Verdict::Spill(to) => {
+                    pool = to;
+                    host.count(m.spilled.get(d.pool).copied().flatten());
+                    self.put(host, HEADER_SPILLED_FROM, d.pool);
+                }
+                Verdict::Shed => {
+                    count_decision(m, host, d);
+                    host.count(m.shed.get(d.class).copied().flatten());
+                    shed(dr, host, d.class);
+                    return Next::Answered;
+                }
+            }
+        }
+        let headers = [(HEADER_CLASS, d.class), (HEADER_POOL, pool), (HEADER_RULE, d.rule), (HEADER_OBJECTIVE, d.objective)];
+        let n = if config.emit_objective_header { 4 } else { 3 };
+        for (name, value) in headers.iter().take(n) {
+            self.put(host, name, value);
+        }
+        // One clear for all the writes: the route is chosen again on the new headers.
+        host.clear_route_cache();
+        count_decision(m, host, d);
+        Next::Continue
+    }
+}
+
+impl Stream {
+    fn put<H: Host>(&self, host: &mut H, name: &str, value: &str) {
+        if self.replace_headers {
+            host.set_request_header(name, Some(value));
+        } else {
+            host.add_request_header(name, value);
+        }
+    }
+}
+
+fn generates<H: Host>(host: &H) -> bool {
+    let headers = host.request_headers();
+    let v = View(&headers);
+    costs_generation(v.get(":method").unwrap_or(""), v.get(":path").unwrap_or(""))
+}
+
+fn count_decision<H: Host>(m: &Metrics, host: &mut H, d: &Decision) {
+    host.count(m.decisions.get(d.rule_index).copied().flatten());
+    if let Some(f) = d.fallback {
+        host.count(m.fallbacks[f as usize]);
+    }
+}
+
+/// The body of a shed request, as the sidecars' own refusals look (OpenAI error JSON).
+pub fn shed_body(class: &str) -> String {
+    format!(
+        r#"{{"error":{{"message":"the mesh is shedding {class} requests while a pool is degraded","type":"rate_limit_error","param":null,"code":"mesh_shedding"}}}}"#
+    )
+}
+
+/// Answer a shed class at the edge: 429, Retry-After and an OpenAI error body.
+fn shed<H: Host>(dr: &DegradedRouting, host: &mut H, class: &str) {
+    let retry = dr.retry_after_s.to_string();
+    let headers = [("retry-after", retry.as_str()), ("content-type", "application/json"), ("x-infermesh-shed-by", "mesh")];
+    host.send_response(429, &headers, shed_body(class).as_bytes());
+}
+
+/// The pools whose state is probed now: those with a probe cluster and no fresh reading (traffic
+/// keeps a busy pool's readings fresh, so only idle pools cost a callout).
+pub fn pools_to_probe<'a>(d: &'a DegradedRouting, table: &PoolTable, now: u64) -> Vec<(&'a str, &'a str)> {
+    d.pools
+        .iter()
+        .filter_map(|(pool, p)| p.probe_cluster.as_deref().map(|c| (pool.as_str(), c)))
+        .filter(|(pool, _)| now.saturating_sub(table.newest_ms(pool)) >= d.probe_interval_ms)
+        .collect()
+}
+
+/// A probe's answer: its status and level header, into the table (or the error it counts as).
+pub fn probe_answer(d: &DegradedRouting, table: &PoolTable, status: Option<&str>, level: Option<&str>, now: u64) -> Result<(), StateError> {
+    match status {
+        None => Err(StateError::ProbeFailed),
+        Some("200") => match level {
+            // The reading is the pool the header names: with failover endpoints at priority 1,
+            // the probe of a pool whose own sidecars are all gone lands on its spill pool.
+            Some(v) => table.report(d, v, now),
+            None => Err(StateError::BadHeader),
+        },
+        Some(_) => Err(StateError::ProbeStatus),
+    }
+}
+
+#[cfg(not(test))]
+mod ffi;
+
+#[cfg(test)]
+mod tests;

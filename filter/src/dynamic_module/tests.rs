@@ -1,0 +1,305 @@
+//! The dynamic-module glue's request flow against a fake host (no Envoy): what it writes,
+//! strips, counts and answers. The real ABI is exercised by
+//! e2e/test_filter_dynamic_module_integration.py.
+
+use super::*;
+
+/// A fake `Host`: header maps, a body, what was sent and counted.
+#[derive(Default)]
+struct FakeHost {
+    request: Vec<(String, String)>,
+    body: Vec<u8>,
+    source: Option<String>,
+    principals: Vec<String>,
+    response: Vec<(String, String)>,
+    route_cache_clears: usize,
+    sent: Option<(u32, Vec<(String, String)>, Vec<u8>)>,
+    counted: Vec<usize>,
+}
+
+impl FakeHost {
+    fn request(method: &str, path: &str, extra: &[(&str, &str)]) -> FakeHost {
+        let mut request = vec![(":method".to_string(), method.to_string()), (":path".to_string(), path.to_string())];
+        request.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        FakeHost { request, ..FakeHost::default() }
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.request.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+impl Host for FakeHost {
+    fn request_headers(&self) -> Vec<(&[u8], &[u8])> {
+        self.request.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())).collect()
+    }
+    fn add_request_header(&mut self, name: &str, value: &str) {
+        assert!(self.header(name).is_none(), "added over an existing {name}");
+        self.request.push((name.to_string(), value.to_string()));
+    }
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) {
+        self.request.retain(|(k, _)| k != name);
+        if let Some(v) = value {
+            self.request.push((name.to_string(), v.to_string()));
+        }
+    }
+    fn clear_route_cache(&mut self) {
+        self.route_cache_clears += 1;
+    }
+    fn request_body(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.body)
+    }
+    fn request_body_size(&self) -> usize {
+        self.body.len()
+    }
+    fn source_address(&self) -> Option<String> {
+        self.source.clone()
+    }
+    fn peer_principals(&self) -> Vec<String> {
+        self.principals.clone()
+    }
+    fn send_response(&mut self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        self.sent = Some((status, headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(), body.to_vec()));
+    }
+    fn response_header(&self, name: &str) -> Option<String> {
+        self.response.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+    }
+    fn remove_response_header(&mut self, name: &str) {
+        self.response.retain(|(k, _)| k != name);
+    }
+    fn count(&mut self, id: CounterId) {
+        if let Some(id) = id {
+            self.counted.push(id);
+        }
+    }
+}
+
+const CONFIG: &str = r#"{
+  "version": 1,
+  "default_class": "batch",
+  "classes": {"interactive": {"pool": "interactive"}, "batch": {"pool": "batch"}},
+  "rules": [
+    {"name": "chat-bulk", "class": "batch",
+     "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}, "body": {"stream": false, "max_tokens": {"min": 1024}}}},
+    {"name": "hdr-priority", "class": "interactive", "match": {"headers": [{"name": "x-priority", "exact": "high"}]}},
+    {"name": "chat", "class": "interactive", "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}}}
+  ],
+  "body": {"max_bytes": 4096},
+  "trusted_sources": {"cidrs": ["10.8.0.0/16"]},
+  "degraded_routing": {
+    "pools": {
+      "interactive": {"at_level": 3, "spill_to": "batch", "shed_classes": ["batch"], "probe_cluster": "pool_interactive"},
+      "batch": {"at_level": 4, "probe_cluster": "pool_batch"}
+    },
+    "probe_interval_ms": 500, "probe_timeout_ms": 400, "stale_after_ms": 5000, "recover_hold_ms": 1000, "retry_after_s": 7
+  }
+}"#;
+
+/// The config with counter ids in definition order, and the names by id.
+fn module() -> (ModuleConfig, Vec<String>) {
+    let mut names = Vec::new();
+    let cfg = ModuleConfig::new(FilterConfig::parse(CONFIG.as_bytes()).expect("test config"), &mut |n| {
+        names.push(n.to_string());
+        Some(names.len() - 1)
+    });
+    (cfg, names)
+}
+
+fn counted(host: &FakeHost, names: &[String]) -> Vec<String> {
+    host.counted.iter().map(|i| names[*i].clone()).collect()
+}
+
+fn chat(body: &[u8]) -> FakeHost {
+    let mut h = FakeHost::request("POST", "/v1/chat/completions", &[("content-type", "application/json")]);
+    h.body = body.to_vec();
+    h
+}
+
+#[test]
+fn a_header_rule_is_written_with_one_route_cache_clear() {
+    let (cfg, names) = module();
+    let mut h = FakeHost::request("GET", "/v1/models", &[("x-priority", "high")]);
+    assert_eq!(Stream::default().on_request_headers(&cfg, &mut h, true), Next::Continue);
+    assert_eq!(h.header(HEADER_CLASS), Some("interactive"));
+    assert_eq!(h.header(HEADER_POOL), Some("interactive"));
+    assert_eq!(h.header(HEADER_RULE), Some("hdr-priority"));
+    assert_eq!(h.header(HEADER_OBJECTIVE), None);
+    assert_eq!(h.route_cache_clears, 1);
+    assert_eq!(counted(&h, &names), ["infermesh.requests_total.class.interactive.pool.interactive.rule.hdr-priority"]);
+}
+
+#[test]
+fn client_sent_internal_headers_are_stripped_and_counted() {
+    let (cfg, names) = module();
+    let mut h = FakeHost::request("GET", "/v1/models", &[("x-infermesh-pool", "interactive"), ("x-infermesh-anything", "x")]);
+    h.source = Some("192.168.1.5:4000".into());
+    Stream::default().on_request_headers(&cfg, &mut h, true);
+    assert_eq!(h.header("x-infermesh-anything"), None);
+    assert_eq!(h.header(HEADER_POOL), Some("batch"), "the spoofed pool is replaced by the decision");
+    assert_eq!(h.header(HEADER_RULE), Some("default"));
+    assert!(counted(&h, &names).contains(&"infermesh.stripped_requests_total".to_string()));
+}
+
+#[test]
+fn a_trusted_peers_decision_is_kept() {
+    let (cfg, names) = module();
+    let mut h = FakeHost::request("GET", "/v1/models", &[("x-infermesh-class", "interactive"), ("x-infermesh-pool", "interactive")]);
+    h.source = Some("10.8.3.4:5000".into());
+    assert_eq!(Stream::default().on_request_headers(&cfg, &mut h, true), Next::Continue);
+    assert_eq!(h.header(HEADER_RULE), None, "nothing written");
+    assert_eq!(h.route_cache_clears, 0);
+    assert_eq!(counted(&h, &names), ["infermesh.requests_total.class.interactive.pool.interactive.rule.trusted"]);
+}
+
+#[test]
+fn a_trusted_peers_partial_decision_is_decided_here() {
+    let (cfg, _) = module();
+    let mut h = FakeHost::request("GET", "/v1/models", &[("x-infermesh-class", "interactive")]);
+    h.source = Some("10.8.3.4:5000".into());
+    Stream::default().on_request_headers(&cfg, &mut h, true);
+    assert_eq!(h.header(HEADER_CLASS), Some("batch"));
+    assert_eq!(h.header(HEADER_POOL), Some("batch"));
+}
+
+#[test]
+fn a_body_rule_waits_for_the_whole_body_then_decides_on_it() {
+    let (cfg, names) = module();
+    let mut h = chat(br#"{"stream":false,"max_tokens":2048,"messages":[]}"#);
+    let mut s = Stream::default();
+    assert_eq!(s.on_request_headers(&cfg, &mut h, false), Next::Wait);
+    assert_eq!(h.header(HEADER_POOL), None);
+    assert_eq!(s.on_request_body(&cfg, &mut h, false), Next::Wait, "keeps buffering until the end");
+    assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Continue);
+    assert_eq!(h.header(HEADER_RULE), Some("chat-bulk"));
+    assert_eq!(h.header(HEADER_POOL), Some("batch"));
+    assert_eq!(counted(&h, &names), ["infermesh.requests_total.class.batch.pool.batch.rule.chat-bulk"]);
+    assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Continue, "decided once");
+    assert_eq!(h.counted.len(), 1);
+}
+
+#[test]
+fn body_fallbacks_decide_on_the_headers() {
+    let (cfg, names) = module();
+    let cases: [(&[(&str, &str)], &[u8], bool, &str); 4] = [
+        (&[("content-type", "application/json"), ("content-length", "99999")], b"{}", false, "too_large"),
+        (&[("content-type", "application/grpc")], b"{}", false, "not_json"),
+        (&[("content-type", "application/json")], b"", true, "missing"),
+        (&[("content-type", "application/json")], b"{\"stream\":", false, "invalid_json"),
+    ];
+    for (headers, body, eos, reason) in cases {
+        let mut h = FakeHost::request("POST", "/v1/chat/completions", headers);
+        h.body = body.to_vec();
+        let mut s = Stream::default();
+        if s.on_request_headers(&cfg, &mut h, eos) == Next::Wait {
+            assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Continue);
+        }
+        assert_eq!(h.header(HEADER_RULE), Some("chat"), "{reason}");
+        assert!(counted(&h, &names).contains(&format!("infermesh.body_fallbacks_total.reason.{reason}")), "{reason}: {:?}", counted(&h, &names));
+    }
+}
+
+#[test]
+fn a_chunked_body_past_the_limit_lets_go_at_once() {
+    let (cfg, _) = module();
+    let mut h = chat(&vec![b' '; 5000]);
+    let mut s = Stream::default();
+    assert_eq!(s.on_request_headers(&cfg, &mut h, false), Next::Wait);
+    assert_eq!(s.on_request_body(&cfg, &mut h, false), Next::Continue, "over body.max_bytes before the end");
+    assert_eq!(h.header(HEADER_RULE), Some("chat"));
+}
+
+#[test]
+fn trailers_end_a_body_that_never_said_end_of_stream() {
+    let (cfg, _) = module();
+    let mut h = chat(br#"{"stream":false,"max_tokens":4000}"#);
+    let mut s = Stream::default();
+    s.on_request_headers(&cfg, &mut h, false);
+    s.on_request_body(&cfg, &mut h, false);
+    assert_eq!(s.on_request_trailers(&cfg, &mut h), Next::Continue);
+    assert_eq!(h.header(HEADER_RULE), Some("chat-bulk"));
+}
+
+fn report(cfg: &ModuleConfig, value: &str) -> FakeHost {
+    let mut h = FakeHost { response: vec![(HEADER_POOL_LEVEL.to_string(), value.to_string()), ("server".into(), "x".into())], ..Default::default() };
+    Stream::default().on_response_headers(cfg, &mut h);
+    h
+}
+
+#[test]
+fn the_level_header_is_read_into_the_table_and_never_passed_on() {
+    let (cfg, names) = module();
+    let h = report(&cfg, "interactive;3;r1");
+    assert_eq!(h.response, [("server".to_string(), "x".to_string())]);
+    let d = cfg.filter.degraded.as_ref().expect("degraded routing");
+    assert!(cfg.pools.is_degraded(d, "interactive", now_ms()));
+    assert!(!cfg.pools.is_degraded(d, "batch", now_ms()));
+    let bad = report(&cfg, "garbage");
+    assert_eq!(counted(&bad, &names), ["infermesh.pool_state_errors_total.reason.bad_header"]);
+    let unknown = report(&cfg, "nosuch;1;r1");
+    assert_eq!(counted(&unknown, &names), ["infermesh.pool_state_errors_total.reason.unknown_pool"]);
+}
+
+#[test]
+fn a_degraded_pools_class_spills_and_the_shed_class_gets_429() {
+    let (cfg, names) = module();
+    report(&cfg, "interactive;3;r1");
+    let mut chat_req = chat(b"{}");
+    chat_req.body.clear();
+    assert_eq!(Stream::default().on_request_headers(&cfg, &mut chat_req, true), Next::Continue);
+    assert_eq!(chat_req.header(HEADER_CLASS), Some("interactive"));
+    assert_eq!(chat_req.header(HEADER_POOL), Some("batch"), "spilled");
+    assert_eq!(chat_req.header(HEADER_SPILLED_FROM), Some("interactive"));
+    assert!(counted(&chat_req, &names).contains(&"infermesh.spilled_requests_total.pool.interactive".to_string()));
+
+    let mut batch = FakeHost::request("POST", "/v1/completions", &[]);
+    assert_eq!(Stream::default().on_request_headers(&cfg, &mut batch, true), Next::Answered);
+    let (status, headers, body) = batch.sent.clone().expect("answered at the edge");
+    assert_eq!(status, 429);
+    assert!(headers.contains(&("retry-after".to_string(), "7".to_string())));
+    assert_eq!(body, shed_body("batch").as_bytes());
+    assert!(String::from_utf8_lossy(&body).contains("\"type\":\"rate_limit_error\""));
+    assert!(counted(&batch, &names).contains(&"infermesh.shed_requests_total.class.batch".to_string()));
+
+    let mut models = FakeHost::request("GET", "/v1/models", &[]);
+    assert_eq!(Stream::default().on_request_headers(&cfg, &mut models, true), Next::Continue, "costs no generation: never shed");
+    assert_eq!(models.header(HEADER_POOL), Some("batch"));
+}
+
+#[test]
+fn a_shed_decided_on_the_body_is_answered_from_the_body_hook() {
+    let (cfg, _) = module();
+    report(&cfg, "interactive;4;r1");
+    let mut h = chat(br#"{"stream":false,"max_tokens":2048}"#);
+    let mut s = Stream::default();
+    assert_eq!(s.on_request_headers(&cfg, &mut h, false), Next::Wait);
+    assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Answered);
+    assert_eq!(h.sent.as_ref().map(|s| s.0), Some(429));
+}
+
+#[test]
+fn probes_skip_pools_that_traffic_keeps_fresh_and_read_the_answer() {
+    let (cfg, names) = module();
+    let d = cfg.filter.degraded.as_ref().expect("degraded routing");
+    let now = now_ms();
+    assert_eq!(pools_to_probe(d, &cfg.pools, now), [("batch", "pool_batch"), ("interactive", "pool_interactive")]);
+    report(&cfg, "interactive;0;r1");
+    assert_eq!(pools_to_probe(d, &cfg.pools, now_ms()), [("batch", "pool_batch")]);
+    assert_eq!(probe_answer(d, &cfg.pools, None, None, now), Err(StateError::ProbeFailed));
+    assert_eq!(probe_answer(d, &cfg.pools, Some("503"), Some("batch;0;r"), now), Err(StateError::ProbeStatus));
+    assert_eq!(probe_answer(d, &cfg.pools, Some("200"), None, now), Err(StateError::BadHeader));
+    assert_eq!(probe_answer(d, &cfg.pools, Some("200"), Some("batch;4;r"), now), Ok(()));
+    assert!(cfg.pools.is_degraded(d, "batch", now));
+    // A probe error is counted under the same names as the Wasm filter's.
+    assert_eq!(names[cfg.metrics.state_errors[StateError::NoCluster as usize].expect("defined")], "infermesh.pool_state_errors_total.reason.no_cluster");
+}
+
+#[test]
+fn without_degraded_routing_the_level_header_is_only_removed() {
+    let v: serde_json::Value = serde_json::from_str(CONFIG).expect("json");
+    let mut o = v.as_object().cloned().expect("object");
+    o.remove("degraded_routing");
+    let cfg = ModuleConfig::new(FilterConfig::parse(serde_json::to_string(&o).expect("json").as_bytes()).expect("config"), &mut |_| None);
+    let h = report(&cfg, "interactive;3;r1");
+    assert_eq!(h.response.len(), 1);
+    assert!(cfg.pools.newest_ms("interactive") == 0);
+}
