@@ -177,6 +177,15 @@ def _istio_no_pool_routes(cfg: dict) -> None:
         vh["routes"] = [r for r in vh["routes"] if not r["name"].startswith("class-")]
 
 
+def _istio_method_exact(cfg: dict) -> None:
+    """The method matched exactly instead of by the case-folding regex (not the filter's
+    semantics: `post` would miss; only to weigh the regex)."""
+    for r in _istio_routes(cfg):
+        for h in r["match"].get("headers", []):
+            if h["name"] == ":method" and "safe_regex" in h.get("string_match", {}):
+                h["string_match"] = {"exact": "POST"}
+
+
 def _istio_chat_deadline(cfg: dict) -> None:
     """A plain gateway with the TTFT deadline a user would give chats without infermesh: the
     per-try timeout and hedging of the header-only form's chat route on the route chats take."""
@@ -203,6 +212,7 @@ ISTIO_PROFILE = {
     "istio-headers-no-added": ("istio-headers-only", _istio_no_added_headers),
     "istio-headers-append": ("istio-headers-only", _istio_append),
     "istio-headers-no-pool-routes": ("istio-headers-only", _istio_no_pool_routes),
+    "istio-headers-method-exact": ("istio-headers-only", _istio_method_exact),
     "istio-no-filter-deadline": ("istio-no-filter", _istio_chat_deadline),
 }
 # Ratios of these against their own baseline (both sides changed alike), not istio-no-filter.
