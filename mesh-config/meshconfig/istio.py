@@ -168,14 +168,6 @@ def _method_regex(method: str) -> str:
     return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else re.escape(c) for c in method)
 
 
-def _ignore_case_method(match: dict) -> str | None:
-    """The upper-case spelling of a route's one method matched case-insensitively, if it has one."""
-    for h in match.get("headers", []):
-        if h["name"] == ":method" and h.get("string_match", {}).get("ignore_case"):
-            return h["string_match"]["exact"].upper()
-    return None
-
-
 def _string_match(sm: dict) -> dict | None:
     if "safe_regex" in sm:
         return {"regex": sm["safe_regex"]["regex"]}
@@ -225,12 +217,7 @@ def _route_part(r: dict, pools: dict[str, tuple[str, bool]]) -> dict | None:
         return None
     pool, grpc = pools[r["route"]["cluster"]]
     retry = r["route"]["retry_policy"]
-    matches = [match]
-    if "regex" in match.get("method", {}) and (spelled := _ignore_case_method(r["match"])):
-        # The method as clients spell it first: istiod makes each match its own Envoy route (same
-        # name, same action), so only another spelling pays for the regex (docs/filter-benchmark.md).
-        matches = [match | {"method": {"exact": spelled}}, match]
-    http: dict[str, Any] = {"name": r["name"], **({"match": matches} if match else {})}
+    http: dict[str, Any] = {"name": r["name"], **({"match": [match]} if match else {})}
     # Istio's `add` is Envoy's APPEND_IF_EXISTS_OR_ADD, `set` its OVERWRITE_IF_EXISTS_OR_ADD: each
     # header keeps the plain-Envoy route's action (an overwrite first looks the header up).
     request: dict[str, dict] = {}
