@@ -12,8 +12,8 @@ vocabulary.
     infermesh policy render POLICY istio --wasm-url oci://… --wasm-sha256 HEX | kubectl apply -f -
 
 Nothing is decided here. `chart_parts()` translates what envoy_resources decides (the route table
-in order: per-pool header routes, native header-rule routes, the default; the Wasm filter; the
-pool limits and retries) into release-independent Istio pieces; `resources()` and the Helm chart
+in order: per-pool header routes (where some route runs the filter), native header-rule routes,
+the default; the Wasm filter; the pool limits and retries) into release-independent Istio pieces; `resources()` and the Helm chart
 (charts/infermesh reads the same pieces from its `generated` values, which `infermesh policy
 render POLICY helm-values` writes) only add names, ports and where the module lives. charts/tests
 proves that the two assemblies give the same objects. What the local control plane does at run
