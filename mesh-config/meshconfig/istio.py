@@ -13,8 +13,8 @@ vocabulary.
 
 Nothing is decided here. `chart_parts()` translates what envoy_resources decides (the route table
 in order: per-pool header routes (where some route runs the filter), native header-rule routes,
-the default; the Wasm filter; the pool limits and retries) into release-independent Istio pieces; `resources()` and the Helm chart
-(charts/infermesh reads the same pieces from its `generated` values, which `infermesh policy
+the default; the Wasm filter; the pool limits and retries) into release-independent Istio
+pieces; `resources()` and the Helm chart (charts/infermesh reads the same pieces from its `generated` values, which `infermesh policy
 render POLICY helm-values` writes) only add names, ports and where the module lives. charts/tests
 proves that the two assemblies give the same objects. What the local control plane does at run
 time (spill and shed while a pool is degraded) has no Istio counterpart; docs/kubernetes.md.
