@@ -114,7 +114,8 @@ def istio_outcome(http: list[dict], filter_off: set[str], pool_of_host: dict[str
     for r in http:
         if "match" not in r or any(_istio_matches(m, req) for m in r["match"]):
             dest = r["route"][0]["destination"]
-            sets = tuple(sorted(r.get("headers", {}).get("request", {}).get("set", {}).items()))
+            request = r.get("headers", {}).get("request", {})
+            sets = tuple(sorted({**request.get("set", {}), **request.get("add", {})}.items()))
             return Outcome(r["name"], r["name"] not in filter_off, pool_of_host[dest["host"]], dest["port"]["number"] == grpc_port, sets)
     return None
 

@@ -467,9 +467,10 @@ def test_plain_helm_template_renders_as_with_an_official_helm(helm):
     r = helm.run("template", RELEASE, str(CHART), "--values", str(PIN))
     assert r.returncode == 0, r.stderr
     assert {o["kind"] for o in yaml.safe_load_all(r.stdout) if o} >= {"Deployment", "VirtualService", "EnvoyFilter"}
-    r = helm.run("version", "--template", "{{ .Version }} {{ .GitCommit }} {{ .GitTreeState }}")
-    version, commit, tree = r.stdout.split()
-    assert version.startswith("v3.") and re.fullmatch(r"[0-9a-f]{40}", commit) and tree == "clean", r.stdout
+    r = helm.run("version", "--template", "{{ .Version }}|{{ .GitCommit }}|{{ .GitTreeState }}")
+    version, commit, tree = r.stdout.strip().split("|")
+    # The commit only where the module proxy gave the module's origin (setup-chart-tools.sh).
+    assert version.startswith("v3.") and re.fullmatch(r"([0-9a-f]{40})?", commit) and tree == "clean", r.stdout
 
 
 def _request_matrix() -> list[Request]:

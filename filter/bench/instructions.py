@@ -17,6 +17,8 @@ cycle, a call into the VM few; docs/filter-benchmark.md reads the numbers with t
 The profile variants (`--variants body-no-scan,...`) change one part of the body variant's
 config or, with the module built with feature bench-profile, leave one part of the filter's body
 path out; `--modules LABEL=PATH` counts the body variant with another module (body@LABEL).
+The Istio profile variants (`istio-headers-no-deadline`, …, `istio-no-filter-deadline`) do the
+same to the Istio header-only form's gateway or to its baseline's (ISTIO_PROFILE below).
 """
 
 from __future__ import annotations
@@ -100,6 +102,123 @@ def _no_probes(cfg: dict) -> None:
     conf["value"] = json.dumps(fc, separators=(",", ":"), sort_keys=True)
 
 
+def _istio_hcm(cfg: dict) -> dict:
+    (hcm,) = [f["typed_config"] for fc in cfg["static_resources"]["listeners"][0]["filter_chains"] for f in fc["filters"]
+              if f["name"] == "envoy.filters.network.http_connection_manager"]
+    return hcm
+
+
+def _istio_routes(cfg: dict) -> list[dict]:
+    return [r for vh in _istio_hcm(cfg)["route_config"]["virtual_hosts"] for r in vh["routes"]]
+
+
+def _recaptured(form: str, with_filter: bool = True):
+    """The gateway istiod configured from `form` (istio_form's FORM/CHANGE), on the same ports."""
+    def change(cfg: dict) -> None:
+        port = cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+        admin = cfg["admin"]["address"]["socket_address"]["port_value"]
+        cfg.clear()
+        cfg.update(rb.istio_form.static_bootstrap(rb.ISTIO_CAPTURED[form], port, admin, with_filter=with_filter))
+    change.form = form
+    return change
+
+
+def _istio_no_hedge(cfg: dict) -> None:
+    for r in _istio_routes(cfg):
+        r["route"].pop("hedge_policy", None)
+
+
+def _istio_no_per_try_timeout(cfg: dict) -> None:
+    """No per-try timer, and so nothing to hedge on."""
+    for r in _istio_routes(cfg):
+        r["route"].pop("hedge_policy", None)
+        r["route"].get("retry_policy", {}).pop("per_try_timeout", None)
+
+
+def _istio_no_give_up(cfg: dict) -> None:
+    for r in _istio_routes(cfg):
+        if "request_headers_to_add" in r:
+            r["request_headers_to_add"] = [h for h in r["request_headers_to_add"] if h["header"]["key"] != "x-infermesh-ttft-give-up-ms"]
+
+
+def _istio_no_strip(cfg: dict) -> None:
+    _istio_hcm(cfg).pop("early_header_mutation_extensions", None)
+
+
+def _istio_keep_orca(cfg: dict) -> None:
+    for r in _istio_routes(cfg):
+        r.pop("response_headers_to_remove", None)
+
+
+def _istio_pool_header_only(cfg: dict) -> None:
+    """Decided routes add the pool header (and the deadline's), not class and rule."""
+    for r in _istio_routes(cfg):
+        if "request_headers_to_add" in r:
+            r["request_headers_to_add"] = [h for h in r["request_headers_to_add"]
+                                           if h["header"]["key"] not in ("x-infermesh-class", "x-infermesh-rule")]
+
+
+def _istio_no_added_headers(cfg: dict) -> None:
+    for r in _istio_routes(cfg):
+        r.pop("request_headers_to_add", None)
+
+
+def _istio_append(cfg: dict) -> None:
+    """Added headers appended, not overwritten (no lookup of a value the early mutation removed)."""
+    for r in _istio_routes(cfg):
+        for h in r.get("request_headers_to_add", []):
+            h["append_action"] = "APPEND_IF_EXISTS_OR_ADD"
+
+
+def _istio_no_pool_routes(cfg: dict) -> None:
+    """Without the `x-infermesh-pool` routes ahead of the rules: none runs the filter in this form,
+    so no request can reach them (the early mutation strips a client's pool header)."""
+    for vh in _istio_hcm(cfg)["route_config"]["virtual_hosts"]:
+        vh["routes"] = [r for r in vh["routes"] if not r["name"].startswith("class-")]
+
+
+def _istio_method_exact(cfg: dict) -> None:
+    """The method matched exactly instead of by the case-folding regex (not the filter's
+    semantics: `post` would miss; only to weigh the regex)."""
+    for r in _istio_routes(cfg):
+        for h in r["match"].get("headers", []):
+            if h["name"] == ":method" and "safe_regex" in h.get("string_match", {}):
+                h["string_match"] = {"exact": "POST"}
+
+
+def _istio_chat_deadline(cfg: dict) -> None:
+    """A plain gateway with the TTFT deadline a user would give chats without infermesh: the
+    per-try timeout and hedging of the header-only form's chat route on the route chats take."""
+    for r in _istio_routes(cfg):
+        if r["name"] in ("default-pool", "default-pool-grpc"):
+            r["route"]["retry_policy"]["per_try_timeout"] = "8s"
+            r["route"]["hedge_policy"] = {"hedge_on_per_try_timeout": True}
+
+
+# Istio profile variants (docs/filter-benchmark.md, "Where the Istio header-only form's cost
+# goes"): the header-only form's gateway, or the baseline's, with one part of what istiod emitted
+# changed; `-no-deadline`/`-no-pools` are the chart rendered so and configured by istiod again.
+ISTIO_PROFILE = {
+    "istio-headers-no-deadline": ("istio-headers-only", _recaptured("header-rules-native/no-deadline")),
+    "istio-headers-no-pools": ("istio-headers-only", _recaptured("header-rules-native/no-pools")),
+    "istio-no-filter-no-pools": ("istio-no-filter", _recaptured("header-rules-wasmplugin/no-pools", with_filter=False)),
+    "istio-headers-no-hedge": ("istio-headers-only", _istio_no_hedge),
+    "istio-headers-no-per-try": ("istio-headers-only", _istio_no_per_try_timeout),
+    "istio-headers-no-give-up": ("istio-headers-only", _istio_no_give_up),
+    "istio-headers-no-strip": ("istio-headers-only", _istio_no_strip),
+    "istio-headers-keep-orca": ("istio-headers-only", _istio_keep_orca),
+    "istio-no-filter-keep-orca": ("istio-no-filter", _istio_keep_orca),
+    "istio-headers-pool-header": ("istio-headers-only", _istio_pool_header_only),
+    "istio-headers-no-added": ("istio-headers-only", _istio_no_added_headers),
+    "istio-headers-append": ("istio-headers-only", _istio_append),
+    "istio-headers-no-pool-routes": ("istio-headers-only", _istio_no_pool_routes),
+    "istio-headers-method-exact": ("istio-headers-only", _istio_method_exact),
+    "istio-no-filter-deadline": ("istio-no-filter", _istio_chat_deadline),
+}
+# Ratios of these against their own baseline (both sides changed alike), not istio-no-filter.
+BASELINES = {"istio-headers-no-pools": "istio-no-filter-no-pools"}
+
+
 # Profile variants: a run_bench variant with one part changed or taken out, to attribute the
 # body path's cost part by part (docs/filter-benchmark.md, "Where the body path's time goes").
 SKIPS = {part: _skip(part) for part in ("none", "no-pause", "no-copy", "no-scan", "no-write")}
@@ -112,6 +231,7 @@ PROFILE = {
     "headers-degraded-no-probe": ("headers-degraded", _no_probes),
     "headers-only-keep-level": ("headers-only", _keep_level_header),
     **{f"body-{part}": ("body", SKIPS[part]) for part in ("no-pause", "no-copy", "no-scan", "no-write")},
+    **ISTIO_PROFILE,
 }
 VARIANTS = rb.VARIANTS + tuple(PROFILE)
 
@@ -210,7 +330,10 @@ def main() -> int:
         work = Path(tmp)
         sink, sink_port = rb.start_sink(work)
         try:
-            if forms := sorted({rb.ISTIO_VARIANTS[v][0] for v in chosen if v in rb.ISTIO_VARIANTS}):
+            bases = {PROFILE[v][0] if v in PROFILE else v for v in chosen}
+            forms = {rb.ISTIO_VARIANTS[v][0] for v in bases if v in rb.ISTIO_VARIANTS}
+            forms |= {PROFILE[v][1].form for v in chosen if hasattr(PROFILE.get(v, (None, None))[1], "form")}
+            if forms := sorted(forms):
                 rb.ISTIO_CAPTURED.update(rb.istio_form.capture_all(forms, sink_port))
             for kb in sizes:
                 body = rb.chat_body(kb * 1024)
@@ -225,7 +348,8 @@ def main() -> int:
             sink.stop()
     print(f"\n{'variant':18s} {'instr/req':>12s} {'added':>10s} {'ratio':>7s} {'~throughput':>12s}")
     for key, r in results.items():
-        base_key = f"{rb.baseline_of(key.split('/')[0].partition('@')[0])}/{key.split('/')[1]}"
+        variant = key.split('/')[0].partition('@')[0]
+        base_key = f"{BASELINES.get(variant) or rb.baseline_of(variant)}/{key.split('/')[1]}"
         if base_key not in results:
             continue
         base = results[base_key]["instructions_per_request"]

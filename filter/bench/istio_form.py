@@ -19,11 +19,16 @@ The forms (names as in the e2e test):
                            filter decides every request
 The baseline, `istio-no-filter`, is the WasmPlugin form's gateway with the filter taken out: the
 chart's VirtualService (pool routes on `x-infermesh-pool`, the default pool) and DestinationRules.
+
+`FORM/CHANGE` captures a form with one thing changed before istiod reads it (instructions.py's
+Istio profile variants): `no-deadline`, its policy without the interactive class's
+`ttft_deadline_ms`; `no-pools`, the chart's output without the pools' EnvoyFilter.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 import tempfile
@@ -45,6 +50,22 @@ def _e2e():
     return t
 
 
+CHANGES = ("no-deadline", "no-pools")
+
+
+def _form(t, form_name: str):
+    """The e2e test's form `FORM`, or `FORM/CHANGE` (the module docstring)."""
+    base, _, change = form_name.partition("/")
+    form = next(f for f in t.FORMS if f.name == base)
+    if change == "no-deadline":
+        policy = copy.deepcopy(form.policy)
+        policy["classes"]["interactive"].pop("ttft_deadline_ms", None)
+        return dataclasses.replace(form, policy=policy, deadline_ms=None)
+    if change not in ("", "no-pools"):
+        raise ValueError(f"{form_name}: unknown change {change!r} (one of {', '.join(CHANGES)})")
+    return form
+
+
 def capture(form_name: str, sink_port: int, work: Path) -> dict:
     """The /config_dump (EDS included) of an Envoy that istiod configured as the gateway from the
     chart's `form_name` form, its pools' endpoints all `sink_port`."""
@@ -52,7 +73,7 @@ def capture(form_name: str, sink_port: int, work: Path) -> dict:
     from charts.tests.helm_render import Helm  # noqa: PLC0415 (_e2e() put REPO on the path)
 
     from infermesh.launcher import free_ports
-    form = next(f for f in t.FORMS if f.name == form_name)
+    form = _form(t, form_name)
     tools = t._setup("setup-chart-tools.sh")
     versions = dict(line.split(" ", 1) for line in (Path(tools["SCHEMAS"]) / "VERSIONS").read_text().splitlines())
     helm = Helm(tools["HELM"], versions["kubernetes"].lstrip("v"))
@@ -60,6 +81,8 @@ def capture(form_name: str, sink_port: int, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     (port,) = free_ports(1)
     objects = t.render(helm, form, port, work)
+    if form_name.endswith("/no-pools"):
+        objects = [o for o in objects if not (o["kind"] == "EnvoyFilter" and o["metadata"]["name"].endswith("-pools"))]
     pools = [SimpleNamespace(name=o["metadata"]["labels"]["infermesh.io/pool"], http_port=sink_port, grpc_port=sink_port)
              for o in objects if o["kind"] == "Deployment" and "infermesh.io/pool" in o["metadata"].get("labels", {})]
     config = t.on_loopback(objects, port) + t.pool_service_entries(objects, SimpleNamespace(plan=SimpleNamespace(pools=pools)))
@@ -127,7 +150,7 @@ def static_bootstrap(captured: dict, port: int, admin_port: int, *, with_filter:
 def capture_all(forms: list[str], sink_port: int) -> dict[str, dict]:
     """`capture()` of each form, in a temporary directory."""
     with tempfile.TemporaryDirectory(prefix="infermesh-istio-form-") as tmp:
-        return {name: capture(name, sink_port, Path(tmp) / name) for name in forms}
+        return {name: capture(name, sink_port, Path(tmp) / name.replace("/", "-")) for name in forms}
 
 
 if __name__ == "__main__":  # capture one form and print its static bootstrap (for reading it)

@@ -12,9 +12,9 @@ vocabulary.
     infermesh policy render POLICY istio --wasm-url oci://… --wasm-sha256 HEX | kubectl apply -f -
 
 Nothing is decided here. `chart_parts()` translates what envoy_resources decides (the route table
-in order: per-pool header routes, native header-rule routes, the default; the Wasm filter; the
-pool limits and retries) into release-independent Istio pieces; `resources()` and the Helm chart
-(charts/infermesh reads the same pieces from its `generated` values, which `infermesh policy
+in order: per-pool header routes (where some route runs the filter), native header-rule routes,
+the default; the Wasm filter; the pool limits and retries) into release-independent Istio
+pieces; `resources()` and the Helm chart (charts/infermesh reads the same pieces from its `generated` values, which `infermesh policy
 render POLICY helm-values` writes) only add names, ports and where the module lives. charts/tests
 proves that the two assemblies give the same objects. What the local control plane does at run
 time (spill and shed while a pool is degraded) has no Istio counterpart; docs/kubernetes.md.
@@ -36,6 +36,7 @@ import yaml
 from .envoy_resources import (
     GRPC_CONTENT_TYPE,
     ORCA_HEADER,
+    POOL_HEADER,
     POOL_LIMITS,
     REQUEST_BUFFER_LIMIT_BYTES,
     STRIP_CLIENT_HEADERS,
@@ -217,10 +218,15 @@ def _route_part(r: dict, pools: dict[str, tuple[str, bool]]) -> dict | None:
     pool, grpc = pools[r["route"]["cluster"]]
     retry = r["route"]["retry_policy"]
     http: dict[str, Any] = {"name": r["name"], **({"match": [match]} if match else {})}
-    set_headers = {h["header"]["key"]: h["header"]["value"] for h in r.get("request_headers_to_add", [])}
+    # Istio's `add` is Envoy's APPEND_IF_EXISTS_OR_ADD, `set` its OVERWRITE_IF_EXISTS_OR_ADD: each
+    # header keeps the plain-Envoy route's action (an overwrite first looks the header up).
+    request: dict[str, dict] = {}
+    for h in r.get("request_headers_to_add", []):
+        op = "add" if h.get("append_action") == "APPEND_IF_EXISTS_OR_ADD" else "set"
+        request.setdefault(op, {})[h["header"]["key"]] = h["header"]["value"]
     # The replicas' load reports are Envoy's alone (the plain-Envoy route table removes them on
     # its virtual host; the router reads them before either removal).
-    http["headers"] = {**({"request": {"set": set_headers}} if set_headers else {}), "response": {"remove": [ORCA_HEADER]}}
+    http["headers"] = {**({"request": request} if request else {}), "response": {"remove": [ORCA_HEADER]}}
     # No route timeout (a streamed completion may run for minutes) is Istio's default; istiod's
     # validation refuses an explicit "0s" (durations must be >= 1ms), so the field stays out.
     if r["route"]["timeout"] != "0s":
@@ -252,10 +258,13 @@ def route_parts(policy: Policy) -> list[dict]:
 
     A route Istio cannot express ends the list with a catch-all pair that runs the filter (it
     decides with every rule, so the first match still wins), as the plain-Envoy table does for
-    a rule only the filter can judge."""
+    a rule only the filter can judge. Where no route runs the filter, the pool-header routes are
+    left out: with native rules the early header mutation removes a client's pool header and
+    nothing sets one before routing, so no request can reach them, and each would cost every
+    request its header lookups (docs/filter-benchmark.md, the Istio header-only form)."""
     m = envoy_form(policy)
     pools = {cluster_name(p, grpc): (p, grpc) for p in policy.pools for grpc in (False, True)}
-    out = []
+    out: list[tuple[bool, dict]] = []  # (the route matches on the pool header, its part)
     for r in routes(m):
         part = _route_part(r, pools)
         if part is None:
@@ -264,9 +273,12 @@ def route_parts(policy: Policy) -> list[dict]:
                           "route": {"cluster": cluster_name(policy.default_pool, grpc), "timeout": "0s", "retry_policy": retry_policy()}}
                          for suffix, grpc, match in (("-grpc", True, {"prefix": "/", "headers": [GRPC_CONTENT_TYPE]}),
                                                      ("", False, {"prefix": "/"}))]
-            return out + [_route_part(c, pools) for c in catch_all]
-        out.append(part)
-    return out
+            out += [(False, _route_part(c, pools)) for c in catch_all]
+            break
+        out.append((any(h["name"] == POOL_HEADER for h in r["match"].get("headers", [])), part))
+    if uses_native_rules(m) and not any(part["wasm"] for on_pool_header, part in out if not on_pool_header):
+        out = [x for x in out if not x[0]]
+    return [part for _, part in out]
 
 
 def traffic_policy() -> dict:

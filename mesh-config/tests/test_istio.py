@@ -57,16 +57,52 @@ def _istio_routes(policy, opts=OPTS):
         dest = r["route"][0]["destination"]
         grpc = dest["port"]["number"] == opts.grpc_port
         assert grpc == ("content-type" in (r["match"][0].get("headers", {}) if "match" in r else {})), r
-        out.append((r["name"], grpc, by_host[dest["host"]], r.get("headers", {}).get("request", {}).get("set", {}), not part["wasm"]))
+        request = r.get("headers", {}).get("request", {})
+        out.append((r["name"], grpc, by_host[dest["host"]], {**request.get("set", {}), **request.get("add", {})}, not part["wasm"]))
     return out
+
+
+def _reachable(plain):
+    """The plain-Envoy routes a request can reach: without the pool-header routes (`class-…`)
+    when no other route runs the filter, the only thing that sets the pool header once the early
+    header mutation removed a client's."""
+    if any(not off for name, _, _, _, off in plain if not name.startswith("class-")):
+        return plain
+    return [r for r in plain if not r[0].startswith("class-")]
 
 
 @pytest.mark.parametrize("policy", [load_policy(LOCAL_POLICY), load_policy(PRODUCTION), parse_policy(HEADER_ONLY), parse_policy(TRUSTED)],
                          ids=["local", "production", "header-only", "trusted"])
 def test_the_virtual_service_has_the_plain_envoy_routes_in_their_order(policy):
     """Route for route: name, front, pool, the headers a natively decided route sets, and where
-    the filter is off. (Whether each match means the same: charts/tests, over a request matrix.)"""
-    assert _istio_routes(policy) == _plain_routes(policy)
+    the filter is off; the routes no request can reach left out. (Whether each match means the
+    same: charts/tests, over a request matrix.)"""
+    assert _istio_routes(policy) == _reachable(_plain_routes(policy))
+
+
+def test_pool_header_routes_are_left_out_only_where_the_filter_never_runs():
+    """Every header-only rule decided natively: the filter is off on every route, so nothing sets
+    the pool header and its routes go. With a body rule, or with trusted sources (no native
+    rules, no strip), the filter runs and sends requests to them: they stay."""
+    names = [p["http"]["name"] for p in istio.chart_parts(parse_policy(HEADER_ONLY))["routes"]]
+    assert names == ["rule-vip-grpc", "rule-vip", "rule-chat-grpc", "rule-chat", "default-pool-grpc", "default-pool"]
+    body = HEADER_ONLY.replace("rules:\n", "rules:\n  - {name: long, class: bulk, match: {body: {max_tokens: {min: 1024}}}}\n", 1)
+    for policy in (parse_policy(body), parse_policy(TRUSTED), load_policy(LOCAL_POLICY)):
+        names = [p["http"]["name"] for p in istio.chart_parts(policy)["routes"]]
+        assert {f"class-pool-{p}{g}" for p in policy.pools for g in ("", "-grpc")} <= set(names), names
+
+
+def test_each_routing_header_keeps_the_plain_envoy_routes_append_action():
+    """Istio's `add` is APPEND_IF_EXISTS_OR_ADD, `set` OVERWRITE_IF_EXISTS_OR_ADD: the class, pool
+    and rule headers of a decided route are appended as in plain Envoy (the early header mutation
+    already removed a client's copy, and an overwrite looks the header up first)."""
+    plain = {r["name"]: r for r in route_config(LocalMeshPlan(policy=parse_policy(HEADER_ONLY)).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"]}
+    parts = istio.chart_parts(parse_policy(HEADER_ONLY))
+    for r in istio.http_routes(parts, OPTS):
+        want = {"add": {}, "set": {}}
+        for h in plain[r["name"]].get("request_headers_to_add", []):
+            want["add" if h["append_action"] == "APPEND_IF_EXISTS_OR_ADD" else "set"][h["header"]["key"]] = h["header"]["value"]
+        assert r["headers"].get("request", {}) == {k: v for k, v in want.items() if v}, r["name"]
 
 
 def test_native_rules_strip_client_headers_before_routing_and_turn_the_filter_off():
@@ -86,7 +122,7 @@ def test_native_rules_strip_client_headers_before_routing_and_turn_the_filter_of
     # One method, matched case-insensitively as the filter does (Istio has no ignore_case).
     chat = next(r for r in istio.http_routes(parts, OPTS) if r["name"] == "rule-chat")
     assert chat["match"] == [{"uri": {"prefix": "/v1/chat/completions"}, "method": {"regex": "[Pp][Oo][Ss][Tt]"}}]
-    assert chat["headers"] == {"request": {"set": {"x-infermesh-class": "chat", "x-infermesh-pool": "fast", "x-infermesh-rule": "chat"}},
+    assert chat["headers"] == {"request": {"add": {"x-infermesh-class": "chat", "x-infermesh-pool": "fast", "x-infermesh-rule": "chat"}},
                                "response": {"remove": ["endpoint-load-metrics"]}}
 
 

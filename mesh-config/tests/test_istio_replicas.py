@@ -157,7 +157,9 @@ def test_real_envoy_accepts_the_pools_patches_merged_into_what_istiod_builds(env
     envoy_accepts(hcm, [cluster])
 
 
-@pytest.mark.parametrize("name", ["rule-chat", "class-pool-fast", "default-pool-grpc"])
-def test_no_client_sees_a_load_report_on_any_route(name):
-    r, _ = routes_by_name(parse_policy(THREE))[name]
+@pytest.mark.parametrize(("policy", "name"), [(THREE, "rule-chat"), (THREE, "default-pool-grpc"), (REPLICAS, "class-pool-interactive"),
+                                              (REPLICAS, "class-interactive-pool-interactive-grpc"), (REPLICAS, "filter-chat")])
+def test_no_client_sees_a_load_report_on_any_route(policy, name):
+    # THREE decides every request natively (it has no pool-header routes); REPLICAS' filter does.
+    r, _ = routes_by_name(parse_policy(policy) if isinstance(policy, str) else policy)[name]
     assert ORCA_HEADER in r["headers"]["response"]["remove"]
