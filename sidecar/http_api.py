@@ -171,10 +171,9 @@ async def _first_token_in_time(life: RequestLifecycle, work: Awaitable, clock: C
         return await work
     task = asyncio.ensure_future(work)
     try:
-        if life.req.ttft_give_up_s is not None:
-            await asyncio.wait((task,), timeout=max(0.0, life.first_token_deadline() - clock()))
-            if not task.done() and not life.first_token_seen:
-                raise life.gave_up()
+        await asyncio.wait((task,), timeout=max(0.0, life.first_token_deadline() - clock()))
+        if not task.done() and not life.first_token_seen:
+            raise life.gave_up()
         return await task
     finally:
         if not task.done():
