@@ -182,26 +182,32 @@ async def measure(args, work: Path) -> dict:
     bases = {"sidecar-http": f"http://127.0.0.1:{http_port}", "vllm-serve": f"http://127.0.0.1:{serve_port}"}
     results: dict = {}
     try:
-        async with httpx.AsyncClient(timeout=300) as client:
+        limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)  # as run_bench.py's client
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
             for name, (proc, log) in procs.items():
                 await bench.wait_http(client, bases[name] + "/health", proc, log)
             for _ in range(args.rounds):
                 for name in procs:
                     stamps_file = work / f"{name}.stamps"
-                    for api, stream in (("chat", False), ("chat", True), ("completions", True)):
+                    kinds = (("completions", True),) if args.bench_like else (("chat", False), ("chat", True), ("completions", True))
+                    for api, stream in kinds:
                         body = {"model": bench.MODEL, "max_tokens": 8, "ignore_eos": True} | ({"stream": True} if stream else {})
                         body |= {"prompt": bench.PROMPT} if api == "completions" else {"messages": [{"role": "user", "content": bench.PROMPT}]}
                         url = bases[name] + ("/v1/completions" if api == "completions" else "/v1/chat/completions")
                         for _ in range(5):
                             await one(client, url, body, stream)
+                        if args.bench_like:  # run_bench.py's turn: its load first, /metrics read after each lone request
+                            await bench.drive(lambda: bench.sse_variant(client, bases[name])(64), 16, 96)
                         await asyncio.sleep(0.2)
                         start = len(stamps_file.read_text().splitlines())
                         client_side = []
                         for _ in range(args.requests):
                             client_side.append(await one(client, url, body, stream))
+                            if args.bench_like:
+                                await client.get(bases[name] + "/metrics")
                             await asyncio.sleep(0.02)
                         await asyncio.sleep(0.2)
-                        server = [json.loads(x) for x in stamps_file.read_text().splitlines()[start:]]
+                        server = [json.loads(x) for x in stamps_file.read_text().splitlines()[start:]][-len(client_side):]
                         rows = [c | s for c, s in zip(client_side, server)]
                         kind = ("stream" if stream else "non-stream") if api == "chat" else "completions-stream"
                         results.setdefault(name, {}).setdefault(kind, []).extend(rows)
@@ -265,6 +271,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--bench-like", action="store_true",
+                    help="streamed completions only, each block after run_bench.py's load (96 of 64 tokens, 16 at a time), /metrics read after each")
     ap.add_argument("--json")
     ap.add_argument("--report", metavar="JSON")
     args = ap.parse_args()
