@@ -167,12 +167,13 @@ async def _first_token_in_time(life: RequestLifecycle, work: Awaitable, clock: C
     """`work`'s result, or DeadlineExceeded (`work` cancelled) when the request's TTFT give-up limit
     passes before its first token: a non-streamed request sends nothing before its end, so the
     front watches the lifecycle's first token (a stream's first chunk is timed in _start_stream)."""
+    if life.req.ttft_give_up_s is None:  # nothing to watch: no task of its own (one loop hop less)
+        return await work
     task = asyncio.ensure_future(work)
     try:
-        if life.req.ttft_give_up_s is not None:
-            await asyncio.wait((task,), timeout=max(0.0, life.first_token_deadline() - clock()))
-            if not task.done() and not life.first_token_seen:
-                raise life.gave_up()
+        await asyncio.wait((task,), timeout=max(0.0, life.first_token_deadline() - clock()))
+        if not task.done() and not life.first_token_seen:
+            raise life.gave_up()
         return await task
     finally:
         if not task.done():
@@ -418,14 +419,23 @@ async def _chain(first: str, gen: AsyncIterator[str]) -> AsyncIterator[str]:
         yield chunk
 
 
+def _with_infermesh(chunk: str, infermesh: dict) -> str:
+    payload = json.loads(chunk[6:])
+    if isinstance(payload.get("usage"), dict):
+        payload["usage"]["infermesh"] = infermesh
+        chunk = "data: " + json.dumps(payload, separators=(",", ":")) + "\n\n"
+    return chunk
+
+
 async def _frames(first: str, gen: AsyncIterator[str], infermesh: dict) -> AsyncIterator[str]:
-    """vLLM's chunks as they are, `usage.infermesh` added to the usage chunk (the one without choices)."""
-    async for chunk in _chain(first, gen):
+    """vLLM's chunks as they are, `usage.infermesh` added to the usage chunk (the one without choices).
+    One generator over vLLM's, not two: this runs for every streamed message."""
+    if '"choices":[]' in first and '"usage":{' in first and first.startswith("data: {"):
+        first = _with_infermesh(first, infermesh)
+    yield first
+    async for chunk in gen:
         if '"choices":[]' in chunk and '"usage":{' in chunk and chunk.startswith("data: {"):
-            payload = json.loads(chunk[6:])
-            if isinstance(payload.get("usage"), dict):
-                payload["usage"]["infermesh"] = infermesh
-                chunk = "data: " + json.dumps(payload, separators=(",", ":")) + "\n\n"
+            chunk = _with_infermesh(chunk, infermesh)
         yield chunk
 
 

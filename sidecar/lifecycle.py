@@ -74,6 +74,11 @@ class RequestLifecycle:
         self._outputs_done = False  # every vLLM request of vllm_outputs() finished
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
+        # Looked up once per request, not per streamed message (profiled: docs/sidecar-benchmark.md).
+        s = pool.config.server
+        self._coalesce_s = s.stream_coalesce_ms / 1000.0 if s.stream_coalesce_ms > 0 else 0.0
+        self._coalesce_min_inflight = s.stream_coalesce_min_inflight
+        self._itl = None  # the inter-token histogram's child of this front and class, from the first token
 
     # -- entry -------------------------------------------------------------------------------
 
@@ -130,9 +135,8 @@ class RequestLifecycle:
         # Under load, let vLLM merge the next steps' tokens into one output (its collector
         # aggregates deltas while nobody reads): fewer, larger messages, so per-message overhead
         # does not cap throughput. The first token never waits.
-        s = self.pool.config.server
-        if s.stream_coalesce_ms > 0 and len(self.pool.admission.inflight) >= s.stream_coalesce_min_inflight:
-            return s.stream_coalesce_ms / 1000.0
+        if self._coalesce_s and len(self.pool.admission.inflight) >= self._coalesce_min_inflight:
+            return self._coalesce_s
         return 0.0
 
     def _tokens_arrived(self, count: int, ttft_s: float | None = None) -> None:
@@ -140,11 +144,13 @@ class RequestLifecycle:
         now = self.pool.clock()
         if self._first_token_at is None:
             ttft = now - self._admitted_at if ttft_s is None else ttft_s
-            self.pool.metrics.ttft.labels(self.front.value, self.label_class).observe(ttft)
+            metrics = self.pool.metrics
+            metrics.ttft.labels(self.front.value, self.label_class).observe(ttft)
+            self._itl = metrics.itl.labels(self.front.value, self.label_class)
             self.pool.window.record_ttft(ttft)
             self._first_token_at = now
         elif self._last_token_at is not None:
-            self.pool.metrics.itl.labels(self.front.value, self.label_class).observe((now - self._last_token_at) / max(1, count))
+            self._itl.observe((now - self._last_token_at) / max(1, count))
         self._last_token_at = now
         self.completion_tokens += count
 
@@ -178,10 +184,14 @@ class RequestLifecycle:
                     self.prompt_tokens += len(out.prompt_token_ids)
                     prompt_counted = True
                 new = 0
-                for o in out.outputs:
-                    n = len(o.token_ids)
-                    new += n if delta else n - counted.get(o.index, 0)
-                    counted[o.index] = n if not delta else counted.get(o.index, 0) + n
+                if delta:
+                    for o in out.outputs:
+                        new += len(o.token_ids)
+                else:
+                    for o in out.outputs:
+                        n = len(o.token_ids)
+                        new += n - counted.get(o.index, 0)
+                        counted[o.index] = n
                 if new:
                     metrics = getattr(out, "metrics", None)
                     ttft = metrics.first_token_latency if not delta and metrics is not None and metrics.first_token_latency else None

@@ -210,13 +210,16 @@ def start_sidecar(work: Path, event_loop: str) -> tuple[subprocess.Popen, Path, 
     return proc, log, http_port, grpc_port
 
 
-def start_vllm_serve(work: Path) -> tuple[subprocess.Popen, Path, int]:
+def start_vllm_serve(work: Path, log_stats: bool = False) -> tuple[subprocess.Popen, Path, int]:
+    """vLLM's own server; `log_stats` keeps vLLM's stats on (its default, what feeds its `vllm:*`
+    metrics; the sidecar always has them, its breakers read the KV cache from them)."""
     (port,) = free_ports(1)
-    log = work / "vllm.log"
+    log = work / ("vllm-stats.log" if log_stats else "vllm.log")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(paths.models_dir() / MODEL),
          "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_LEN),
-         "--kv-cache-memory-bytes", str(KV_BYTES), "--enforce-eager", "--disable-log-stats", "--disable-uvicorn-access-log"],
+         "--kv-cache-memory-bytes", str(KV_BYTES), "--enforce-eager", "--disable-uvicorn-access-log"]
+        + ([] if log_stats else ["--disable-log-stats"]),
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log, port
 
