@@ -426,11 +426,22 @@ def routes(m: MeshListener) -> list[dict]:
     return out
 
 
+def reachable(m: MeshListener, table: list[dict]) -> list[dict]:
+    """The route table without its pool-header routes where no route runs the filter: with native
+    rules the early mutation strips a client's pool header and nothing sets one, so they are
+    unreachable, and each costs every request a header match (docs/filter-benchmark.md). istio.py
+    prunes its own form the same way, after it hands what Istio cannot say to the filter."""
+    if not uses_native_rules(m) or any(r.get("typed_per_filter_config") != WASM_OFF for r in table
+                                       if not any(h["name"] == POOL_HEADER for h in r["match"].get("headers", []))):
+        return table
+    return [r for r in table if not any(h["name"] == POOL_HEADER for h in r["match"].get("headers", []))]
+
+
 def route_config(m: MeshListener) -> dict:
     """The route table (served over RDS by the control plane, inline in the static form)."""
     return {
         "name": ROUTE_CONFIG_NAME,
-        "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(m),
+        "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": reachable(m, routes(m)),
                            "response_headers_to_remove": [ORCA_HEADER],
                            "per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES}],
     }

@@ -105,6 +105,17 @@ def test_native_rules_decide_in_the_route_table_and_send_only_body_rules_to_the_
     assert "response_headers_to_remove" not in chat, "where the filter runs, it reads and strips the header"
 
 
+def test_without_a_filter_route_the_unreachable_pool_header_routes_are_left_out():
+    # Header rules only, no when_degraded: nothing runs the filter, so nothing sets the pool header.
+    plan = without_when_degraded(LocalMeshPlan())
+    rules = [r for r in plan.policy.rules if not r.match.needs_body]
+    plan = dataclasses.replace(plan, policy=plan.policy.model_copy(update={"rules": rules}))
+    routes = _hcm(bootstrap(plan.listener(Path("/x.wasm"))))["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["name"] for r in routes] == [
+        "rule-chat-grpc", "rule-chat", "rule-grpc-generate-grpc", "rule-grpc-generate", "default-pool-grpc", "default-pool"]
+    assert all(r["typed_per_filter_config"]["envoy.filters.http.wasm"]["disabled"] for r in routes)
+
+
 def test_rules_of_classes_when_degraded_may_spill_or_shed_are_decided_by_the_filter():
     plan = LocalMeshPlan()  # local.yaml: interactive spills to batch, batch is shed
     routes = _hcm(bootstrap(plan.listener(Path("/x.wasm"))))["route_config"]["virtual_hosts"][0]["routes"]
