@@ -115,3 +115,19 @@ def test_only_the_baseline_counts_as_before_the_fault():
     marks.baseline = 0.5
     rep = build_report("kv-cache", "synthetic", exp, reqs, samples, marks, ["interactive", "batch"])
     assert not next(c for c in rep["checks"] if c["name"] == before)["passed"]
+
+
+def test_streams_cut_by_the_kill_do_not_count_against_interactive_success():
+    exp, reqs, samples, marks = _kv_drill()
+    exp = Expectation(degrade=True, fault_pool="interactive", breaker_signal="kv_cache", sustain_s=2.0, allow_interrupted=True)
+    marks = Marks(inject=5.0, clear=15.0, end=30.0, kill=5.0)
+    # three streams in flight at the kill: 3 of 123 would be 97.6 % success
+    reqs += [Request("interactive", 4.8 + i * 0.05, 5.5, 200, "body", False, served_by="interactive/0") for i in range(3)]
+    rep = build_report("sidecar-kill", "synthetic", exp, reqs, samples, marks, ["interactive", "batch"])
+    checks = {c["name"]: c for c in rep["checks"]}
+    assert checks["interactive success >= 99%"]["passed"], checks["interactive success >= 99%"]
+    assert checks["only streams in flight at the kill were cut"]["passed"]
+    # a stream cut later is no kill's doing: it fails as before
+    reqs.append(Request("interactive", 8.0, 8.5, 200, "body", False, served_by="interactive/0"))
+    rep = build_report("sidecar-kill", "synthetic", exp, reqs, samples, marks, ["interactive", "batch"])
+    assert "zero unexpected failures" in {c["name"] for c in rep["checks"] if not c["passed"]}
