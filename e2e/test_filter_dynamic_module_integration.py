@@ -21,17 +21,12 @@ from pathlib import Path
 import pytest
 
 from e2e.test_filter_envoy_integration import FILTER_CONFIG, EnvoyUnderTest
-from e2e.test_pool_state_integration import LEVEL, FakeSidecar, batch, chat, get, request, until
+from e2e.test_pool_state_integration import LEVEL, batch, chat, get, pool_state_mesh, request, until
 from infermesh import paths
-from infermesh.launcher import free_ports
-from infermesh.meshconfig.envoy_bootstrap import MeshListener, PoolEndpoint, write_bootstrap
-from infermesh.meshconfig.local_mesh import LocalMeshPlan, PoolPorts
-from infermesh.meshconfig.policy import load_policy
 
 sys.path.insert(0, str(paths.REPO_ROOT / "filter" / "bench"))
 from native_module import NATIVE_SO, to_native  # noqa: E402
 
-E2E_POLICY = Path(__file__).resolve().parent / "policy-e2e.yaml"
 # The native module's counters: Envoy's dynamic-modules namespace, then the Wasm filter's names.
 STATS_PREFIX = "dynamicmodulescustom."
 
@@ -43,28 +38,9 @@ def native_so() -> Path:
     return NATIVE_SO
 
 
-class NativeEnvoy(EnvoyUnderTest):
+def NativeEnvoy(workdir: Path, filter_config: dict | str, pools: dict[str, int], module: Path, native_rules: bool = True) -> EnvoyUnderTest:
     """EnvoyUnderTest's Envoy with the Wasm filter swapped for the native module."""
-
-    def __init__(self, workdir: Path, filter_config: dict | str, pools: dict[str, int], module: Path, native_rules: bool = True):
-        self.listen, self.admin_port = free_ports(2)
-        listener = MeshListener("127.0.0.1", self.listen, self.admin_port, paths.filter_wasm(),
-                                filter_config if isinstance(filter_config, dict) else {},
-                                [PoolEndpoint(n, "127.0.0.1", p) for n, p in pools.items()], "batch", native_rules=native_rules)
-        boot = write_bootstrap(listener, workdir / "envoy.json")
-        doc = json.loads(boot.read_text())
-        if not isinstance(filter_config, dict):  # a raw (possibly invalid) config string
-            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-            hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"] = filter_config
-        to_native(doc, module)
-        boot.write_text(json.dumps(doc))
-        self.log_path = workdir / "envoy.log"
-        self.proc = subprocess.Popen(
-            [str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "info"],
-            stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-        )
-        self.base = f"http://127.0.0.1:{self.listen}"
-        self.admin = f"http://127.0.0.1:{self.admin_port}"
+    return EnvoyUnderTest(workdir, filter_config, pools, native_rules, edit=lambda doc: to_native(doc, module))
 
 
 def stats(admin: str) -> dict[str, int]:
@@ -214,41 +190,9 @@ def test_an_invalid_config_is_refused_with_the_field_named(upstreams, native_so,
 
 @pytest.fixture(scope="module")
 def mesh(native_so, tmp_path_factory):
-    """The e2e policy's routes and filter config (interactive spills to batch and batch is shed
-    at level 3), the native module in place of the Wasm filter, two workers, two fake sidecars."""
-    work = tmp_path_factory.mktemp("native-pool-state")
-    policy = load_policy(E2E_POLICY)
-    listen, admin, p_int, p_batch = free_ports(4)
-    sidecars = {"interactive": FakeSidecar("interactive", p_int), "batch": FakeSidecar("batch", p_batch)}
-    plan = LocalMeshPlan(policy_path=E2E_POLICY, policy=policy, listen_port=listen, admin_port=admin,
-                         pools=[PoolPorts("interactive", p_int, 0), PoolPorts("batch", p_batch, 0)])
-    m = plan.listener(paths.filter_wasm())
-    m.filter_config["degraded_routing"]["pools"]["gone"] = {"at_level": 3, "probe_cluster": "pool_gone"}
-    boot = write_bootstrap(m, work / "envoy.json")
-    doc = json.loads(boot.read_text())
-    for c in doc["static_resources"]["clusters"]:
-        c.pop("health_checks", None)  # as in test_pool_state_integration: no spill the filter did not make
-    to_native(doc, native_so)
-    boot.write_text(json.dumps(doc))
-    log = work / "envoy.log"
-    proc = subprocess.Popen([str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "2",
-                             "--log-level", "info"], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    base, admin_url = f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if urllib.request.urlopen(admin_url + "/ready", timeout=1).status == 200 and get(base, "/v1/models")[0] == 200:
-                break
-        except OSError:
-            pass
-        time.sleep(0.1)
-    else:
-        pytest.fail("envoy did not start:\n" + log.read_text()[-3000:])
-    yield base, admin_url, sidecars
-    proc.terminate()
-    proc.wait(timeout=10)
-    for s in sidecars.values():
-        s.shutdown()
+    """test_pool_state_integration's mesh (the e2e policy: interactive spills to batch and batch
+    is shed at level 3; two workers, two fake sidecars) with the native module in place of the Wasm filter."""
+    yield from pool_state_mesh(tmp_path_factory.mktemp("native-pool-state"), edit=lambda doc: to_native(doc, native_so))
 
 
 def normal(base: str, sidecars: dict) -> None:

@@ -13,6 +13,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -45,7 +46,9 @@ FILTER_CONFIG = {
 
 
 class EnvoyUnderTest:
-    def __init__(self, workdir: Path, filter_config: dict | str, pools: dict[str, int], native_rules: bool = True):
+    def __init__(self, workdir: Path, filter_config: dict | str, pools: dict[str, int], native_rules: bool = True,
+                 edit: Callable[[dict], None] | None = None):
+        """`edit` changes the generated bootstrap before Envoy reads it (e.g. the native module's swap)."""
         self.listen, self.admin_port = free_ports(2)
         listener = MeshListener(
             listen_host="127.0.0.1",
@@ -58,10 +61,13 @@ class EnvoyUnderTest:
             native_rules=native_rules,
         )
         boot = write_bootstrap(listener, workdir / "envoy.json")
-        if not isinstance(filter_config, dict):  # a raw (possibly invalid) config string
+        if not isinstance(filter_config, dict) or edit is not None:
             doc = json.loads(boot.read_text())
-            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-            hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"] = filter_config
+            if not isinstance(filter_config, dict):  # a raw (possibly invalid) config string
+                hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+                hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"] = filter_config
+            if edit is not None:
+                edit(doc)
             boot.write_text(json.dumps(doc))
         self.log_path = workdir / "envoy.log"
         self.proc = subprocess.Popen(

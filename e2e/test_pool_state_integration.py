@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -80,7 +81,13 @@ class _FakeHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    work = tmp_path_factory.mktemp("pool-state")
+    yield from pool_state_mesh(tmp_path_factory.mktemp("pool-state"))
+
+
+def pool_state_mesh(work: Path, edit: Callable[[dict], None] | None = None):
+    """Envoy with the e2e policy's routes and filter config over two fake sidecars, two workers;
+    yields (base URL, admin URL, sidecars) and stops everything after. `edit` changes the
+    bootstrap before Envoy reads it (the native module's swap)."""
     policy = load_policy(E2E_POLICY)
     listen, admin, p_int, p_batch = free_ports(4)
     sidecars = {"interactive": FakeSidecar("interactive", p_int), "batch": FakeSidecar("batch", p_batch)}
@@ -96,6 +103,8 @@ def mesh(tmp_path_factory):
     doc = json.loads(boot.read_text())
     for c in doc["static_resources"]["clusters"]:
         c.pop("health_checks", None)
+    if edit is not None:
+        edit(doc)
     boot.write_text(json.dumps(doc))
     log = work / "envoy.log"
     proc = subprocess.Popen([str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "2",

@@ -16,12 +16,6 @@ mod serde_scanner;
 struct Req(Vec<(String, String)>);
 
 impl RequestView for Req {
-    fn method(&self) -> Option<&str> {
-        self.header(":method")
-    }
-    fn path(&self) -> Option<&str> {
-        self.header(":path")
-    }
     fn header(&self, name: &str) -> Option<&str> {
         self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
     }

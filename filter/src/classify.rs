@@ -11,10 +11,15 @@ use crate::config::{BodyMatch, FilterConfig, HeaderCond, Rule};
 /// What the classifier may look at. The glue implements it over Envoy's header map; tests use
 /// a plain struct.
 pub trait RequestView {
-    fn method(&self) -> Option<&str>;
-    /// The `:path` pseudo-header, query string included.
-    fn path(&self) -> Option<&str>;
     fn header(&self, name: &str) -> Option<&str>;
+    /// The `:method` pseudo-header (a view that holds the pseudo-headers apart overrides these).
+    fn method(&self) -> Option<&str> {
+        self.header(":method")
+    }
+    /// The `:path` pseudo-header, query string included.
+    fn path(&self) -> Option<&str> {
+        self.header(":path")
+    }
 }
 
 /// Why the body could not be used; each has a metric.

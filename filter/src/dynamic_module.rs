@@ -231,12 +231,6 @@ fn decide_on_headers<'c>(config: &'c FilterConfig, headers: &[(&[u8], &[u8])], e
 }
 
 impl RequestView for View<'_> {
-    fn method(&self) -> Option<&str> {
-        self.get(":method")
-    }
-    fn path(&self) -> Option<&str> {
-        self.get(":path")
-    }
     fn header(&self, name: &str) -> Option<&str> {
         self.get(name)
     }

@@ -443,12 +443,6 @@ impl Headers {
 }
 
 impl RequestView for Headers {
-    fn method(&self) -> Option<&str> {
-        self.get(":method")
-    }
-    fn path(&self) -> Option<&str> {
-        self.get(":path")
-    }
     fn header(&self, name: &str) -> Option<&str> {
         self.get(name)
     }

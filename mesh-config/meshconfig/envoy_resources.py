@@ -431,10 +431,14 @@ def reachable(m: MeshListener, table: list[dict]) -> list[dict]:
     rules the early mutation strips a client's pool header and nothing sets one, so they are
     unreachable, and each costs every request a header match (docs/filter-benchmark.md). istio.py
     prunes its own form the same way, after it hands what Istio cannot say to the filter."""
-    if not uses_native_rules(m) or any(r.get("typed_per_filter_config") != WASM_OFF for r in table
-                                       if not any(h["name"] == POOL_HEADER for h in r["match"].get("headers", []))):
+    if not uses_native_rules(m) or any(r.get("typed_per_filter_config") != WASM_OFF for r in table if not on_pool_header(r)):
         return table
-    return [r for r in table if not any(h["name"] == POOL_HEADER for h in r["match"].get("headers", []))]
+    return [r for r in table if not on_pool_header(r)]
+
+
+def on_pool_header(route: dict) -> bool:
+    """The route matches on the filter's pool header (only a request the filter decided takes it)."""
+    return any(h["name"] == POOL_HEADER for h in route["match"].get("headers", []))
 
 
 def route_config(m: MeshListener) -> dict:

@@ -36,7 +36,6 @@ import yaml
 from .envoy_resources import (
     GRPC_CONTENT_TYPE,
     ORCA_HEADER,
-    POOL_HEADER,
     POOL_LIMITS,
     REQUEST_BUFFER_LIMIT_BYTES,
     STRIP_CLIENT_HEADERS,
@@ -49,6 +48,7 @@ from .envoy_resources import (
     circuit_breakers,
     cluster_name,
     local_code,
+    on_pool_header,
     remote_code,
     retry_policy,
     routes,
@@ -275,7 +275,7 @@ def route_parts(policy: Policy) -> list[dict]:
                                                      ("", False, {"prefix": "/"}))]
             out += [(False, _route_part(c, pools)) for c in catch_all]
             break
-        out.append((any(h["name"] == POOL_HEADER for h in r["match"].get("headers", [])), part))
+        out.append((on_pool_header(r), part))
     if uses_native_rules(m) and not any(part["wasm"] for on_pool_header, part in out if not on_pool_header):
         out = [x for x in out if not x[0]]
     return [part for _, part in out]
