@@ -110,6 +110,11 @@ async def run(config: SidecarConfig) -> int:
             asyncio.get_running_loop().create_task(on_sample_health(last_level))
 
     monitor_task = asyncio.create_task(pool.monitor_loop(on_sample))
+    # As vLLM's own server does once it is up: the start-up heap (vLLM, torch, tokenizers) leaves
+    # the collector's view, so old-generation collections while serving stay short.
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    freeze_gc_heap()
     log.info(
         "serving",
         extra={"http_port": config.server.http_port, "grpc_port": grpc_port, "admin_port": admin_port, "admin_grpc_port": admin_grpc_port,

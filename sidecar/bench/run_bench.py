@@ -7,13 +7,22 @@ lone 8-token requests one at a time (the front's own latency, without batching e
   in-process   AsyncLLM consumed directly in the benchmark's own process (the ceiling)
   sidecar-grpc infermesh sidecar, gRPC Generate (grpc.aio client)
   sidecar-http infermesh sidecar, OpenAI HTTP/SSE (httpx client)
-  vllm-serve   vLLM's own OpenAI server (python -m vllm.entrypoints.openai.api_server), HTTP/SSE
+  vllm-serve   vLLM's own OpenAI server (python -m vllm.entrypoints.openai.api_server), HTTP/SSE,
+               with --disable-log-stats (the strongest reference: no stats work per step)
+  vllm-serve-stats  the same server as users start it, stats on (vLLM's default; the sidecar
+               always has them: its breakers read the KV cache from them)
 
-All three engines are loaded once and stay up (an idle vLLM engine blocks on its input queue);
+All engines are loaded once and stay up (an idle vLLM engine blocks on its input queue);
 the variants then take turns, K rounds, each round in a rotated order, so every variant sees the
 machine as it is at that moment. Each ratio (sidecar-grpc / in-process, sidecar-http /
 vllm-serve) is taken within a round and the median over rounds is reported with its range.
 Absolute numbers from these machines are not meaningful; the ratios are.
+
+The HTTP variants' client runs in a process of its own (`HttpClientProcess`: this script with
+`--client-worker`, nothing but httpx on uvloop, one connection pool per server), as vLLM's own
+`vllm bench serve` client would: in the benchmark's process, beside the in-process engine and the
+gRPC channel, the same client served both HTTP servers at a third of their speed and added
+30-60 ms to lone requests (docs/sidecar-benchmark.md, runs G and I).
 
 Lone requests are not paired request by request between variants: the first request an engine
 gets after another engine ran waits up to ~0.9 s on these 2 shared cores (tried; see
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
@@ -145,6 +155,71 @@ def grpc_variant(stub):
     return one
 
 
+async def http_lone_block(client, one, n: int, metrics_url: str | None) -> dict[str, list[float]]:
+    """`n` lone 8-token requests; with `metrics_url` (the sidecar's), each one's front overhead too."""
+    out: dict[str, list[float]] = {"py": []}
+    last = await sidecar_ttft_sum(client, metrics_url, "http") if metrics_url else 0.0
+    for _ in range(n):
+        ttft, _ = await one(8)
+        out["py"].append(ttft)
+        if metrics_url:
+            before, last = last, await sidecar_ttft_sum(client, metrics_url, "http")
+            out.setdefault("py_overhead", []).append(ttft - (last - before))
+        await asyncio.sleep(0.02)  # the same pause after every lone request, every variant
+    return out
+
+
+async def client_worker() -> None:
+    """`--client-worker`: one JSON command a line on stdin, one JSON answer a line on stdout."""
+    import gc
+
+    import httpx
+
+    clients: dict[str, httpx.AsyncClient] = {}
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    gc.freeze()
+    while line := await reader.readline():
+        cmd = json.loads(line)
+        base = cmd["base"]
+        if base not in clients:  # a pool per server: no server's idle connections crowd another's
+            c = int(cmd["concurrency"])
+            clients[base] = httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=2 * c, max_keepalive_connections=2 * c))
+        client = clients[base]
+        one = sse_variant(client, base)
+        if cmd["op"] == "load":
+            ttfts, tokens, wall = await drive(lambda: one(cmd["tokens"]), cmd["concurrency"], cmd["requests"])
+            answer = {"ttfts": ttfts, "tokens": tokens, "wall": wall}
+        else:
+            answer = await http_lone_block(client, one, cmd["n"], cmd.get("metrics_url"))
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+    for c in clients.values():
+        await c.aclose()
+
+
+class HttpClientProcess:
+    """The HTTP variants' client, in its own process (see the module's docstring)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, __file__, "--client-worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    async def call(self, **cmd) -> dict:
+        def roundtrip() -> dict:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the HTTP client process exited ({self.proc.poll()})")
+            return json.loads(line)
+        return await asyncio.get_running_loop().run_in_executor(None, roundtrip)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
 def go_client_binary() -> Path | None:
     """Build sidecar/bench/grpcttft once (keyed by its sources); None without a Go toolchain."""
     src = Path(__file__).parent / "grpcttft"
@@ -191,6 +266,49 @@ async def sidecar_ttft_sum(client, metrics_url: str, front: str) -> float:
     """The sidecar's own TTFT histogram sum (seconds) for one front, over every class."""
     text = (await client.get(metrics_url)).text
     return sum(float(v) for labels, v in _TTFT_SUM.findall(text) if f'front="{front}"' in labels)
+
+
+def tree_cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of `root` ("front") and of all its descendants
+    ("engine": vLLM's engine-core and worker processes), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu = {}, {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(pid)], cpu[int(pid)] = int(f[1]), (int(f[11]) + int(f[12])) / tick
+    out = {"front": cpu.get(root, 0.0), "engine": 0.0}
+    for pid in cpu:
+        p = parent.get(pid)
+        while p and p != root:
+            p = parent.get(p)
+        if p == root and pid != root:
+            out["engine"] += cpu[pid]
+    return out
+
+
+def pin_server(root: int, front: set[int], engine: set[int]) -> None:
+    """Every thread of `root` (the server's front) on `front`, every thread of its descendants
+    (vLLM's engine-core and worker processes) on `engine`."""
+    parent = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                parent[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    for pid in parent:
+        p = pid
+        while p and p != root:
+            p = parent.get(p)
+        if p != root:
+            continue
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), front if pid == root else engine)
 
 
 # ---- the servers ------------------------------------------------------------------------------
@@ -252,7 +370,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 # ---- the run ----------------------------------------------------------------------------------
 
-VARIANTS = ("in-process", "sidecar-grpc", "sidecar-http", "vllm-serve")
+VARIANTS = ("in-process", "sidecar-grpc", "sidecar-http", "vllm-serve", "vllm-serve-stats")
 
 
 async def bench(args, work: Path) -> dict:
@@ -263,35 +381,78 @@ async def bench(args, work: Path) -> dict:
     from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
     go_bin = go_client_binary() if args.go_client else None
-    say("bench: loading three engines (the sidecar, vllm serve, in-process) …")
+    http_client = HttpClientProcess()
+    chosen = [v for v in VARIANTS if v in args.variants]
+    say(f"bench: loading the engines of {', '.join(chosen)} …")
     sidecar, sidecar_log, http_port, grpc_port = start_sidecar(work, args.sidecar_event_loop)
-    serve, serve_log, serve_port = start_vllm_serve(work)
+    serve = serve_stats = None
+    if "vllm-serve" in chosen:
+        serve, serve_log, serve_port = start_vllm_serve(work)
+    if "vllm-serve-stats" in chosen:
+        serve_stats, serve_stats_log, serve_stats_port = start_vllm_serve(work, log_stats=True)
     eng = go = None
+    in_proc = None
     try:
         limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
         async with httpx.AsyncClient(timeout=300, limits=limits) as client, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            eng, in_proc = await in_process_engine()
+            if "in-process" in chosen:
+                eng, in_proc = await in_process_engine()
             await wait_http(client, f"http://127.0.0.1:{http_port}/health", sidecar, sidecar_log)
-            await wait_http(client, f"http://127.0.0.1:{serve_port}/health", serve, serve_log)
+            http_bases = {"sidecar-http": f"http://127.0.0.1:{http_port}"}
+            server_pids = {"sidecar-http": sidecar.pid, "sidecar-grpc": sidecar.pid}
+            if serve is not None:
+                await wait_http(client, f"http://127.0.0.1:{serve_port}/health", serve, serve_log)
+                http_bases["vllm-serve"] = f"http://127.0.0.1:{serve_port}"
+                server_pids["vllm-serve"] = serve.pid
+            if serve_stats is not None:
+                await wait_http(client, f"http://127.0.0.1:{serve_stats_port}/health", serve_stats, serve_stats_log)
+                http_bases["vllm-serve-stats"] = f"http://127.0.0.1:{serve_stats_port}"
+                server_pids["vllm-serve-stats"] = serve_stats.pid
+            if args.pin:
+                # vLLM's CPU engine-core and worker busy-wait on each other (shm_broadcast's
+                # SpinCondition: sched_yield for 1 s after each read); sharing both cores with
+                # the front and the client, that spin took 3-7x the CPU per token in some load
+                # phases and not others. Engines on CPU 0, fronts and clients on CPU 1, as a GPU
+                # would take the engine's work off the front's cores.
+                engine_cpus, front_cpus = {0}, {1}
+                # this process first: the servers are its children too, pinned next
+                for pid in [os.getpid(), *set(server_pids.values())]:
+                    pin_server(pid, front_cpus, engine_cpus)
+                pin_server(http_client.proc.pid, front_cpus, front_cpus)
             go = GoClient(go_bin, grpc_port, pb.GenerateRequest(text=PROMPT, max_tokens=8, ignore_eos=True).SerializeToString()) if go_bin else None
             metrics_url = f"http://127.0.0.1:{http_port}/metrics"
             ones = {
                 "in-process": in_proc,
                 "sidecar-grpc": grpc_variant(pb_grpc.InferenceStub(channel)),
-                "sidecar-http": sse_variant(client, f"http://127.0.0.1:{http_port}"),
-                "vllm-serve": sse_variant(client, f"http://127.0.0.1:{serve_port}"),
             }
-            for name, one in ones.items():  # warm-up: first requests compile and fill caches
-                await drive(lambda: one(args.tokens), args.concurrency, args.concurrency)
-                await drive(lambda: one(8), 1, 5)
+
+            async def load_phase(name: str, tokens: int, concurrency: int, requests: int) -> tuple[list[float], int, float]:
+                if name in http_bases:
+                    a = await http_client.call(op="load", base=http_bases[name], tokens=tokens, concurrency=concurrency, requests=requests)
+                    return a["ttfts"], a["tokens"], a["wall"]
+                one = ones[name]
+                return await drive(lambda: one(tokens), concurrency, requests)
+
+            for name in chosen:  # warm-up: first requests compile and fill caches
+                await load_phase(name, args.tokens, args.concurrency, args.concurrency)
+                await load_phase(name, 8, 1, 5)
             if go:
                 for _ in range(5):
                     await go.one()
+            # The client shares this process with the in-process engine's heap (vLLM, torch):
+            # frozen, as vLLM's server and the sidecar freeze theirs, so the client's own
+            # collections do not walk it between messages.
+            from vllm.utils.gc_utils import freeze_gc_heap
+
+            freeze_gc_heap()
 
             async def lone_block(name: str) -> dict[str, list[float]]:
                 """`args.single` lone 8-token requests; on the sidecar, each one's front overhead too."""
-                front = {"sidecar-grpc": "grpc", "sidecar-http": "http"}.get(name)
+                if name in http_bases:
+                    return await http_client.call(op="lone", base=http_bases[name], concurrency=args.concurrency, n=args.single,
+                                                  metrics_url=metrics_url if name == "sidecar-http" else None)
+                front = {"sidecar-grpc": "grpc"}.get(name)
                 clients = [("py", lambda: ones[name](8))]
                 if name == "sidecar-grpc" and go:
                     async def go_one():
@@ -312,11 +473,13 @@ async def bench(args, work: Path) -> dict:
                 return out
             rounds: list[dict[str, dict]] = []
             for r in range(args.rounds):
-                order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+                order = chosen[r % len(chosen):] + chosen[: r % len(chosen)]
                 res: dict[str, dict] = {}
                 for name in order:
-                    one = ones[name]
-                    ttfts, tokens, wall = await drive(lambda: one(args.tokens), args.concurrency, args.requests)
+                    server = server_pids.get(name)
+                    cpu0 = tree_cpu_seconds(server) if server else None
+                    ttfts, tokens, wall = await load_phase(name, args.tokens, args.concurrency, args.requests)
+                    cpu1 = tree_cpu_seconds(server) if server else None
                     lone = await lone_block(name)
                     res[name] = {"tokens_per_s": tokens / wall, "ttft_p50_ms": 1000 * statistics.median(ttfts),
                                  "ttft_p99_ms": 1000 * pct(ttfts, 0.99), "lone_ttft_p50_ms": 1000 * statistics.median(lone["py"]),
@@ -325,26 +488,36 @@ async def bench(args, work: Path) -> dict:
                                        ("go_overhead", "go_front_overhead_p50_ms")):
                         if label in lone:
                             res[name][key] = 1000 * statistics.median(lone[label])
-                    say(f"  round {r + 1}/{args.rounds} {name:13s} {tokens / wall:7.1f} tok/s  TTFT p50 {res[name]['ttft_p50_ms']:7.1f} ms"
+                    if cpu0:  # the server's own CPU per 1000 tokens: the load phase's cost, free of wall-time noise
+                        for part in ("front", "engine"):
+                            res[name][f"{part}_cpu_ms_per_1k_tokens"] = 1e6 * (cpu1[part] - cpu0[part]) / tokens
+                    say(f"  round {r + 1}/{args.rounds} {name:16s} {tokens / wall:7.1f} tok/s  TTFT p50 {res[name]['ttft_p50_ms']:7.1f} ms"
                         f"  lone TTFT p50 {res[name]['lone_ttft_p50_ms']:6.2f} ms"
-                        + "".join(f"  {k} {v:.2f}" for k, v in res[name].items() if "overhead" in k or k.startswith("go_")))
+                        + "".join(f"  {k} {v:.2f}" for k, v in res[name].items() if "overhead" in k or "cpu" in k or k.startswith("go_")))
                 rounds.append(res)
     finally:
+        http_client.close()
         if go is not None:
             go.close()
         if eng is not None:
             eng.shutdown()
-        stop(sidecar)
-        stop(serve)
+        for proc in (sidecar, serve, serve_stats):
+            if proc is not None:
+                stop(proc)
     return {"rounds": rounds}
 
 
 def report(rounds: list[dict[str, dict]]) -> dict:
-    def med(f) -> tuple[float, float, float]:
-        xs = [f(r) for r in rounds]
+    def med(f) -> tuple[float, float, float] | None:
+        try:
+            xs = [f(r) for r in rounds]
+        except KeyError:  # a variant this run left out (--variants)
+            return None
         return statistics.median(xs), min(xs), max(xs)
 
-    summary = {v: {k: statistics.median(r[v][k] for r in rounds) for k in rounds[0][v]} for v in VARIANTS}
+    present = [v for v in VARIANTS if v in rounds[0]]  # an earlier run's --json may lack a variant
+    summary = {v: {k: statistics.median(r[v][k] for r in rounds) for k in rounds[0][v]} for v in present}
+
     def ratio(a: str, b: str, key: str = "tokens_per_s") -> tuple[float, float, float]:
         return med(lambda r: r[a][key] / r[b][key])
 
@@ -371,19 +544,34 @@ def report(rounds: list[dict[str, dict]]) -> dict:
         "http_vs_in_process_tokens": ratio("sidecar-http", "in-process"),
         "vllm_serve_vs_in_process_tokens": ratio("vllm-serve", "in-process"),
     }
-    if "go_lone_ttft_p50_ms" in rounds[0]["sidecar-grpc"]:
+    ratios["http_vs_vllm_serve_stats_tokens"] = ratio("sidecar-http", "vllm-serve-stats")
+    ratios["http_vs_vllm_serve_stats_ttft_p99"] = ratio("sidecar-http", "vllm-serve-stats", "ttft_p99_ms")
+    ratios["vllm_serve_stats_vs_vllm_serve_tokens"] = ratio("vllm-serve-stats", "vllm-serve")
+    for ref in ("vllm-serve", "vllm-serve-stats"):  # > 1: the sidecar spends more CPU per token
+        tag = ref.replace("-", "_")
+        ratios[f"http_vs_{tag}_front_cpu_per_token"] = ratio("sidecar-http", ref, "front_cpu_ms_per_1k_tokens")
+        ratios[f"http_vs_{tag}_engine_cpu_per_token"] = ratio("sidecar-http", ref, "engine_cpu_ms_per_1k_tokens")
+    if "go_lone_ttft_p50_ms" in rounds[0].get("sidecar-grpc", {}):
         ratios["grpc_go_client_added_lone_ttft_p50_ms"] = added("sidecar-grpc", "in-process", "go_lone_ttft_p50_ms", "lone_ttft_p50_ms")
         ratios["grpc_go_client_front_overhead_p50_ms"] = own("sidecar-grpc", "go_front_overhead_p50_ms")
     print(f"\nmedian of {len(rounds)} rounds")
-    print(f"{'variant':14s} {'tok/s':>8s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'lone TTFT p50':>14s} {'lone p99':>9s}")
-    for v in VARIANTS:
+    print(f"{'variant':16s} {'tok/s':>8s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'lone TTFT p50':>14s} {'lone p99':>9s}")
+    for v in present:
         s = summary[v]
-        print(f"{v:14s} {s['tokens_per_s']:8.1f} {s['ttft_p50_ms']:8.1f}ms {s['ttft_p99_ms']:8.1f}ms"
+        print(f"{v:16s} {s['tokens_per_s']:8.1f} {s['ttft_p50_ms']:8.1f}ms {s['ttft_p99_ms']:8.1f}ms"
               f" {s['lone_ttft_p50_ms']:12.2f}ms {s['lone_ttft_p99_ms']:7.2f}ms")
+    ratios = {k: v for k, v in ratios.items() if v is not None}
     print("\nwithin-round ratios: median [min, max]")
     for k, (m, lo, hi) in ratios.items():
         print(f"  {k:42s} {m:8.3f}  [{lo:.3f}, {hi:.3f}]")
-    return {"summary": summary, "ratios": {k: {"median": m, "min": lo, "max": hi} for k, (m, lo, hi) in ratios.items()}}
+    # How many rounds the sidecar's HTTP front served more tokens/s than each vllm serve: with
+    # rounds this noisy, the count says more than the range.
+    wins = {ref: sum(r["sidecar-http"]["tokens_per_s"] >= r[ref]["tokens_per_s"] for r in rounds)
+            for ref in ("vllm-serve", "vllm-serve-stats") if ref in present and "sidecar-http" in present}
+    for ref, n in wins.items():
+        print(f"  sidecar-http >= {ref} tokens/s in {n} of {len(rounds)} rounds")
+    return {"summary": summary, "ratios": {k: {"median": m, "min": lo, "max": hi} for k, (m, lo, hi) in ratios.items()},
+            "http_rounds_ahead": wins}
 
 
 def say(msg: str) -> None:
@@ -402,7 +590,15 @@ def main() -> int:
     ap.add_argument("--sidecar-event-loop", choices=("uvloop", "asyncio"), default="uvloop")
     ap.add_argument("--json", help="write the rounds and the summary here")
     ap.add_argument("--report", metavar="JSON", help="print the summary of an earlier run's --json file; runs nothing")
+    ap.add_argument("--variants", type=lambda v: v.split(","), default=list(VARIANTS),
+                    help=f"comma-separated subset of {','.join(VARIANTS)} (default all)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="leave every process on every CPU (default: engines on CPU 0, fronts and clients on CPU 1)")
+    ap.add_argument("--client-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.client_worker:
+        uvloop.run(client_worker())
+        return 0
     if args.report:
         report(json.loads(Path(args.report).read_text())["rounds"])
         return 0

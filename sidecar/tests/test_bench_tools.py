@@ -8,6 +8,7 @@ import asyncio
 import importlib.util
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -99,3 +100,29 @@ def test_go_client_refuses_a_request_that_is_not_hex():
     binary = _go_client()
     r = subprocess.run([str(binary), "-request", "zz"], capture_output=True, text=True, input="")
     assert r.returncode == 2 and "not hex" in r.stderr
+
+
+def test_a_servers_cpu_is_split_into_its_front_and_its_descendants_and_pinned_so():
+    """run_bench's CPU-per-token and pinning read a server's tree: the root is the front, every
+    descendant (vLLM's engine core and worker) the engine."""
+    import os
+
+    # a front that spawns a busy child, then waits
+    front = subprocess.Popen([sys.executable, "-c",
+                              "import subprocess,sys,time;"
+                              "c=subprocess.Popen([sys.executable,'-c','import time\\nt=time.time()\\nwhile time.time()-t<1.5: pass']);"
+                              "c.wait()"])
+    try:
+        time.sleep(0.3)
+        cpus = sorted(os.sched_getaffinity(0))
+        bench.pin_server(front.pid, {cpus[-1]}, {cpus[0]})
+        children = [int(p) for p in Path(f"/proc/{front.pid}/task/{front.pid}/children").read_text().split()]
+        assert children and all(os.sched_getaffinity(c) == {cpus[0]} for c in children)
+        assert os.sched_getaffinity(front.pid) == {cpus[-1]}
+        time.sleep(0.8)
+        parts = bench.tree_cpu_seconds(front.pid)
+        assert parts["engine"] > 0.2, parts  # the busy child's, counted as the engine's
+        assert parts["front"] < parts["engine"]
+        front.wait(timeout=10)
+    finally:
+        front.kill()

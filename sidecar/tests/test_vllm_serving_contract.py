@@ -57,3 +57,20 @@ def test_the_engine_client_seam():
     params = inspect.signature(EngineClient.generate).parameters
     assert list(params)[1:4] == ["prompt", "sampling_params", "request_id"] and "priority" in params
     assert hasattr(EngineClient, "check_admission")
+
+
+def test_the_gc_freeze_the_server_shares_with_vllms_own():
+    """server.run freezes the start-up heap with vLLM's own helper, as vLLM's server does."""
+    import gc
+
+    from vllm.entrypoints.launchers.utils import server_utils
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    assert "freeze_gc_heap()" in inspect.getsource(server_utils), "vLLM's server no longer freezes its heap: re-check"
+    gc.unfreeze()
+    before = gc.get_freeze_count()
+    freeze_gc_heap()
+    try:
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()
