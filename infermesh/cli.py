@@ -36,11 +36,26 @@ def _cmd_up(args: argparse.Namespace) -> int:
     except PolicyError as e:
         say(f"invalid policy:\n{e}")
         return 2
-    build_all()
     plan = LocalMeshPlan(policy_path=Path(args.policy) if args.policy else LOCAL_POLICY, policy=policy,
                          listen_port=args.port, admin_port=args.admin_port, xds_port=args.xds_port)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="infermesh-run-"))
-    mesh = LocalMesh(plan, run_dir)
+    cores = {}
+    for item in args.cpus:
+        pool, sep, spec = item.partition("=")
+        if not sep or not pool or not spec:
+            say(f"--cpus {item!r}: expected POOL=CPUS, e.g. --cpus interactive=0 --cpus batch=1")
+            if not args.run_dir:
+                run_dir.rmdir()
+            return 2
+        cores[pool] = spec
+    try:
+        mesh = LocalMesh(plan, run_dir, cpu_cores=cores, pin_tree=bool(cores), proxy_cores=args.proxy_cpus)
+    except LaunchError as e:
+        say(str(e))
+        if not args.run_dir:
+            run_dir.rmdir()
+        return 2
+    build_all()
     stopping = False
 
     def on_signal(signum, _frame):
@@ -197,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--run-dir", help="where logs and generated configs go (default: a new temp dir)")
     up.add_argument("--policy", help="mesh policy file (default: mesh-config/policies/local.yaml); edits apply live")
     up.add_argument("--xds-port", type=int, default=18000, help="control plane (ADS) port, 127.0.0.1 (default 18000)")
+    up.add_argument("--cpus", metavar="POOL=CPUS", action="append", default=[],
+                    help="run POOL's sidecar, its whole process tree (front, vLLM's engine core and workers), only on "
+                         "CPUS (0, 1, 0-1, 0,2-3), as a GPU pool of its own; POOL.N for one replica; once per pool")
+    up.add_argument("--proxy-cpus", metavar="CPUS", help="CPUs for Envoy and the control plane (default: any)")
     up.set_defaults(func=_cmd_up)
 
     from .drill import SCENARIOS

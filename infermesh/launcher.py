@@ -170,7 +170,10 @@ class LocalMesh:
         scheduler and workers) to those CPUs, not only the OpenMP compute threads."""
         self.proxy_cores = proxy_cores
         """CPUs for Envoy and the control plane (None: wherever Linux runs them)."""
+        known = {p.name for p in plan.pools} | {p.key for p in plan.pools}
         for key, spec in self.cpu_cores.items():
+            if key not in known:
+                raise LaunchError(f"cpu_cores: no pool or replica {key!r} in the policy (there are {', '.join(sorted(known))})")
             parse_cpus(spec, f"cpu_cores[{key!r}]")
         if proxy_cores:
             parse_cpus(proxy_cores, "proxy_cores")

@@ -36,3 +36,30 @@ def test_an_unpinned_child_keeps_the_launchers_cpus():
     out = subprocess.run([sys.executable, "-c", GRANDCHILD], preexec_fn=_start_child(None), capture_output=True,
                          text=True, timeout=60, check=True).stdout.split("\n")
     assert out[0] == str(sorted(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--cpus", "interactive"], "expected POOL=CPUS"),
+    (["--cpus", "nosuchpool=0"], "no pool or replica 'nosuchpool' in the policy (there are batch"),
+    (["--cpus", "interactive=4096"], "cpu_cores['interactive']: '4096' names CPUs outside"),
+    (["--cpus", "batch=0", "--proxy-cpus", "x"], "proxy_cores: 'x' is not a CPU list"),
+])
+def test_up_refuses_a_bad_cpu_setting_before_starting_anything(flags, says, capsys, monkeypatch):
+    import infermesh.models
+    from infermesh.cli import main
+
+    monkeypatch.setattr(infermesh.models, "build_all", lambda: pytest.fail("built before the settings were checked"))
+    assert main(["up", *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_pool_and_a_replica_can_each_be_given_cpus(tmp_path):
+    from infermesh.launcher import LocalMesh
+    from infermesh.meshconfig.local_mesh import LocalMeshPlan
+    from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy
+
+    plan = LocalMeshPlan(policy_path=LOCAL_POLICY, policy=load_policy(LOCAL_POLICY), listen_port=1, admin_port=2, xds_port=3)
+    cpu = str(min(os.sched_getaffinity(0)))
+    keys = {p.key for p in plan.pools} | {p.name for p in plan.pools}
+    mesh = LocalMesh(plan, tmp_path, cpu_cores={k: cpu for k in keys}, pin_tree=True, proxy_cores=cpu)
+    assert mesh.cpu_cores.keys() == keys
