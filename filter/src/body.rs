@@ -1,8 +1,9 @@
 //! Facts about an OpenAI-style JSON request body, read in one pass without building a DOM: the
 //! field walk. It knows which top-level fields the rules can look at (and, in `messages`, the
 //! `content` of each message and its text parts) and skips everything else; the bytes
-//! themselves are scanned by json_scan.rs (the grammar; string_run.rs, strings). Strings are measured, not stored (except the short
-//! `model`, `priority` and `service_tier`). Wrong types never fail the parse: a field of an
+//! themselves are scanned by json_scan.rs (the grammar) and string_run.rs (inside strings).
+//! Strings are measured, not stored (except the short `model`, `priority` and
+//! `service_tier`). Wrong types never fail the parse: a field of an
 //! unexpected type is treated as absent, so one odd field cannot turn a whole request into a
 //! fallback. Input that is not a JSON object is an error, which the caller turns into the
 //! documented header-only decision. The values that are read are at most 6 levels deep, far
