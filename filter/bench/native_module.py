@@ -13,6 +13,7 @@ request bodies, pinning) is run_bench's, so the two forms differ only in the fil
 
     python filter/bench/native_module.py instructions --variants no-filter,wasm-noop,native-noop --sizes 2,32
     python filter/bench/native_module.py time --variants headers-wasm,native-headers --sizes 2,32 --rounds 4
+    python filter/bench/native_module.py time --variants native-body --native-before OLD.so   # a change, in one run
 
 `instructions` counts Envoy's instructions per request under callgrind (instructions.py's
 machinery); `time` is run_bench's saturation run (throughput and Envoy CPU per request),
@@ -196,6 +197,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4, help="time: interleaved rounds")
     ap.add_argument("--seconds", type=float, default=3.0, help="time: seconds of saturation per variant and round")
     ap.add_argument("--no-build", action="store_true", help="use the modules already built")
+    ap.add_argument("--native-before", metavar="PATH",
+                    help="also run native-body with this module (an earlier build of the .so): variant native-body@before")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.sizes.split(",")]
@@ -203,6 +206,10 @@ def main() -> int:
     if unknown := wanted - set(VARIANTS):
         ap.error(f"--variants: unknown {', '.join(sorted(unknown))}")
     chosen = [v for v in VARIANTS if v in wanted]
+    if args.native_before:
+        # The same config as native-body, another module: a change against the one before it, in one run.
+        NATIVE["native-body@before"] = ("body", Path(args.native_before).resolve())
+        chosen.append("native-body@before")
     if not args.no_build:
         build(wanted)
     out = run_instructions(args, chosen) if args.mode == "instructions" else run_time(args, chosen)

@@ -1,8 +1,9 @@
 //! Facts about an OpenAI-style JSON request body, read in one pass without building a DOM: the
 //! field walk. It knows which top-level fields the rules can look at (and, in `messages`, the
 //! `content` of each message and its text parts) and skips everything else; the bytes
-//! themselves are scanned by json_scan.rs. Strings are measured, not stored (except the short
-//! `model`, `priority` and `service_tier`). Wrong types never fail the parse: a field of an
+//! themselves are scanned by json_scan.rs (the grammar) and string_run.rs (inside strings).
+//! Strings are measured, not stored (except the short `model`, `priority` and
+//! `service_tier`). Wrong types never fail the parse: a field of an
 //! unexpected type is treated as absent, so one odd field cannot turn a whole request into a
 //! fallback. Input that is not a JSON object is an error, which the caller turns into the
 //! documented header-only decision. The values that are read are at most 6 levels deep, far
@@ -42,6 +43,12 @@ impl BodyFacts {
 /// Parse a body. `Err` means it is not a JSON object (garbage, truncated, bad escapes, …).
 pub fn parse_body(bytes: &[u8]) -> Result<BodyFacts, String> {
     Scanner::new(bytes).body().map_err(|Bad(why, at)| format!("{why} at byte {at}"))
+}
+
+/// Parse a body held in segments (a native host's buffers, in order), where they are: the same
+/// result as `parse_body` on the segments joined.
+pub fn parse_body_segments(parts: &[&[u8]]) -> Result<BodyFacts, String> {
+    Scanner::segments(parts).body().map_err(|Bad(why, at)| format!("{why} at byte {at}"))
 }
 
 /// The field walk, on json_scan's tokens.
@@ -303,6 +310,58 @@ mod tests {
         assert_eq!((f.max_tokens, f.n, f.priority.as_deref()), (Some(u64::MAX), None, Some("-9223372036854775808")));
         let f = parse_body(br#"{"max_tokens": -0, "priority": -0, "n": 2.0, "prompt": [1, -2, -0, 3.5]}"#).unwrap();
         assert_eq!((f.max_tokens, f.priority, f.n, f.prompt_chars), (None, None, None, 2));
+    }
+
+    /// `bytes` cut into segments at `cuts` (offsets, ascending).
+    fn cut<'a>(bytes: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
+        let mut parts = Vec::new();
+        let mut from = 0;
+        for &c in cuts {
+            parts.push(&bytes[from..c]);
+            from = c;
+        }
+        parts.push(&bytes[from..]);
+        parts
+    }
+
+    #[test]
+    fn a_body_in_segments_gives_what_it_gives_in_one_buffer_wherever_it_is_cut() {
+        let long = "The quick brown fox jumps over the lazy dog. ".repeat(5);
+        let wide = "h\u{e9}llo \u{1F600} \u{4e2d}\u{6587} ".repeat(6);
+        let mut bodies: Vec<Vec<u8>> = [
+            &br#"{"model":"llama-3-70b","stream":true,"max_tokens":64,"n":2,"priority":"high","service_tier":"default","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"h\u00e9llo"},{"type":"image_url","image_url":{"url":"x"}}]}],"tools":[{"type":"function"}]}"#[..],
+            br#"{"max_tokens": 18446744073709551615, "n": 18446744073709551616, "priority": -9223372036854775808, "x": [1.5e3, -0, 0.25, true, false, null]}"#,
+            br#"{"prompt":"a\nb\u00e9\ud83d\ude00\/\"", "m\u006fdel": "x\u00e9y", "str\u0065am": false}"#,
+            b"{\"prompt\":[1,2,3], \"tools\": {\"\xff\": \"\xfe\\ud800\"}, \"n\" : 7 }  ",
+            // Refused, each somewhere else: the error (and where) must not depend on the cuts.
+            b"{\"messages\":[{\"content\":\"ab\xc3\"}]}", b"{\"prompt\":\"\xe4\xb8\"}", b"{\"prompt\":\"a\xf0\x9f\x98",
+            b"{\"prompt\":\"\\ud800\\u0041\"}", b"{\"model\":\"\xed\xa0\x80\"}", b"{\"max_tokens\":1e400}", b"{\"n\":01}",
+            b"{\"n\":1.}", b"{\"n\":1e+}", b"{\"n\":tru}", b"{\"n\":nul", b"{\"n\":\"\\u12\"}", b"{\"n\":\"\t\"}", b"{\"a\":1,}",
+            b"{\"prompt\":\"unterminated", b"{} x", b"[]",
+        ]
+        .iter()
+        .map(|b| b.to_vec())
+        .collect();
+        bodies.push(format!(r#"{{"messages":[{{"role":"user","content":"{long}"}},{{"content":"{wide}"}}],"tools":["{long}\"{wide}"],"prompt":"{wide}"}}"#).into_bytes());
+        bodies.push(format!(r#"{{"messages":[{{"content":"{long}\u00e9{long}"}}], "tools":"{long}\n{long}"}}"#).into_bytes());
+        for body in &bodies {
+            let whole = parse_body(body);
+            let show = String::from_utf8_lossy(body);
+            for at in 0..=body.len() {
+                assert_eq!(parse_body_segments(&cut(body, &[at])), whole, "cut at {at}: {show}");
+            }
+            let bytes: Vec<usize> = (1..body.len()).collect();
+            assert_eq!(parse_body_segments(&cut(body, &bytes)), whole, "a byte a segment: {show}");
+            if body.len() <= 80 {
+                for a in 0..=body.len() {
+                    for b in a..=body.len() {
+                        assert_eq!(parse_body_segments(&cut(body, &[a, b])), whole, "cuts at {a}, {b}: {show}");
+                    }
+                }
+            }
+        }
+        assert!(parse_body_segments(&[]).is_err());
+        assert_eq!(parse_body_segments(&[b"", b"{}", b""]), Ok(BodyFacts::default()));
     }
 
     #[test]

@@ -15,14 +15,13 @@
 //! All host access goes through the `Host` trait (`ffi::Envoy` in Envoy, a fake in the tests), so
 //! the request flow here is tested natively.
 
-use crate::body::parse_body;
+use crate::body::parse_body_segments;
 use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE, TRUSTED_RULE};
 use crate::config::{
     DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, HEADER_SPILLED_FROM,
     INTERNAL_HEADER_PREFIX,
 };
 use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError, Verdict, HEADER_POOL_LEVEL};
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
@@ -62,8 +61,9 @@ pub trait Host {
     /// Add a request header the map does not hold yet (cheaper than a replace).
     fn add_request_header(&mut self, name: &str, value: &str);
     fn clear_route_cache(&mut self);
-    /// The request body received so far (buffered and the chunk of this call), in one piece.
-    fn request_body(&self) -> Cow<'_, [u8]>;
+    /// The request body received so far (buffered and the chunk of this call), as the slices the
+    /// host holds it in, in order: scanned where they are, never joined.
+    fn request_body(&self) -> Vec<&[u8]>;
     fn request_body_size(&self) -> usize;
     /// `source.address` (`IP:PORT`).
     fn source_address(&self) -> Option<String>;
@@ -253,6 +253,9 @@ pub struct Stream {
     /// A trusted peer's partial decision is in the header map: the decision's headers replace
     /// it (otherwise they are added: the map holds no x-infermesh-* header then).
     replace_headers: bool,
+    /// Whether the request generates (`costs_generation`), kept from the header hook for the
+    /// decision made on the body.
+    generates: bool,
 }
 
 fn is_json(content_type: Option<&str>) -> bool {
@@ -303,8 +306,9 @@ impl Stream {
         match head {
             (Outcome::Decided(d), generates, _) => self.write(cfg, host, &d, generates),
             (Outcome::NeedBody, generates, Some(why)) => self.decide_now(cfg, host, Body::Unavailable(why), generates),
-            (Outcome::NeedBody, _, None) => {
+            (Outcome::NeedBody, generates, None) => {
                 self.waiting_for_body = true;
+                self.generates = generates;
                 Next::Wait
             }
         }
@@ -346,7 +350,7 @@ impl Stream {
         if !self.waiting_for_body {
             return Next::Continue;
         }
-        let generates = generates(host);
+        let generates = self.generates;
         if host.request_body_size() > cfg.filter.max_body_bytes {
             // A chunked body outgrew the limit: let it flow and decide on headers.
             return self.decide_now(cfg, host, Body::Unavailable(Fallback::TooLarge), generates);
@@ -362,7 +366,7 @@ impl Stream {
         if !self.waiting_for_body {
             return Next::Continue;
         }
-        let generates = generates(host);
+        let generates = self.generates;
         self.decide_on_body(cfg, host, generates)
     }
 
@@ -382,11 +386,11 @@ impl Stream {
 
     fn decide_on_body<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H, generates: bool) -> Next {
         let parsed = {
-            let bytes = host.request_body();
-            if bytes.is_empty() {
+            let parts = host.request_body();
+            if parts.iter().all(|p| p.is_empty()) {
                 Err(Fallback::Missing)
             } else {
-                parse_body(&bytes).map_err(|_| Fallback::InvalidJson)
+                parse_body_segments(&parts).map_err(|_| Fallback::InvalidJson)
             }
         };
         match parsed {
@@ -450,12 +454,6 @@ impl Stream {
             host.add_request_header(name, value);
         }
     }
-}
-
-fn generates<H: Host>(host: &H) -> bool {
-    let headers = host.request_headers();
-    let v = View(&headers);
-    costs_generation(v.get(":method").unwrap_or(""), v.get(":path").unwrap_or(""))
 }
 
 fn count_decision<H: Host>(m: &Metrics, host: &mut H, d: &Decision) {

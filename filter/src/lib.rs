@@ -1,7 +1,7 @@
 //! infermesh proxy-wasm filter.
 //!
-//! The decision logic lives in [`config`], [`classify`] and [`body`] (whose bytes `json_scan`
-//! reads) and makes no host calls, so it is tested natively with `cargo test`. The proxy-wasm glue in `glue.rs` is compiled for wasm32 only;
+//! The decision logic lives in [`config`], [`classify`] and [`body`] (whose JSON `json_scan`
+//! reads, the bytes of its strings `string_run`) and makes no host calls, so it is tested natively with `cargo test`. The proxy-wasm glue in `glue.rs` is compiled for wasm32 only;
 //! `dynamic_module.rs` (feature `dynamic-module`) is the same filter as a native Envoy dynamic module.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
@@ -10,6 +10,7 @@ pub mod classify;
 pub mod config;
 pub mod pool_state;
 mod json_scan;
+mod string_run;
 
 #[cfg(target_arch = "wasm32")]
 mod glue;

@@ -12,9 +12,9 @@
 //!   class/pool pair that the config defines.
 //!
 //! A failure prints the seed and the input. Natively the strings are scanned with SSE2, the twin
-//! of the module's Wasm SIMD loop (src/json_scan.rs).
+//! of the module's Wasm SIMD loop (src/string_run.rs), and AVX2 where the CPU has it.
 
-use infermesh_filter::body::{parse_body, BodyFacts, MAX_KEPT_STRING};
+use infermesh_filter::body::{parse_body, parse_body_segments, BodyFacts, MAX_KEPT_STRING};
 use infermesh_filter::classify::{classify, Body, Fallback, Outcome, RequestView};
 use infermesh_filter::config::FilterConfig;
 use serde_json::{json, Map, Value};
@@ -501,4 +501,41 @@ fn classifier_never_panics_and_only_yields_configured_pairs() {
         n += 1;
     }
     eprintln!("classifier fuzz: seed {s}, {n} requests");
+}
+
+/// A native host hands the body over in the slices it holds: cut anywhere, into any number of
+/// segments, a body gives the same result, facts or error (and where), as in one buffer.
+#[test]
+fn segments_give_what_one_buffer_gives_wherever_the_body_is_cut() {
+    let s = seed();
+    let mut r = Rng(s ^ 0xc0ffee);
+    let end = Instant::now() + budget() / 2;
+    let mut n = 0u64;
+    while Instant::now() < end {
+        let v = body(&mut r);
+        let mut bytes = serde_json::to_vec(&v).unwrap();
+        if r.below(2) == 0 {
+            bytes = reescape(&mut r, &bytes);
+        }
+        let input = match r.below(3) {
+            0 => bytes,
+            1 => mutate(&mut r, bytes),
+            _ => (0..r.below(300)).map(|_| *r.pick(b"{}[]\",:0123456789-+eE.\\ntrufalsu \xc3\xa9\xe4\xb8\xad\xf0\x9f\x98\x80\xff")).collect(),
+        };
+        let whole = parse_body(&input);
+        for _ in 0..4 {
+            let mut cuts: Vec<usize> = (0..1 + r.below(6)).map(|_| r.below(input.len() as u64 + 1) as usize).collect();
+            cuts.sort_unstable();
+            let (mut parts, mut from) = (Vec::new(), 0);
+            for c in cuts {
+                parts.push(&input[from..c]);
+                from = c;
+            }
+            parts.push(&input[from..]);
+            assert_eq!(parse_body_segments(&parts), whole, "seed {s}: cut into {:?} of {:?}", parts.iter().map(|p| p.len()).collect::<Vec<_>>(), String::from_utf8_lossy(&input));
+            n += 1;
+        }
+    }
+    eprintln!("segments: seed {s}, {n} cut bodies");
+    assert!(n > 1000, "too few iterations to mean anything: {n}");
 }

@@ -8,7 +8,6 @@ use super::{probe_answer, pools_to_probe, CounterId, Host, ModuleConfig, Next, S
 use crate::config::FilterConfig;
 use crate::envoy_abi::*;
 use crate::pool_state::HEADER_POOL_LEVEL;
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::os::raw::c_char;
 use std::sync::{Arc, Condvar, Mutex};
@@ -105,18 +104,13 @@ impl Host for Envoy {
         unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.ptr) }
     }
 
-    fn request_body(&self) -> Cow<'_, [u8]> {
+    fn request_body(&self) -> Vec<&[u8]> {
         let mut parts: Vec<&[u8]> = Vec::new();
         self.chunks(BUFFERED_REQUEST_BODY, &mut parts);
         if !self.received_is_buffered() {
             self.chunks(RECEIVED_REQUEST_BODY, &mut parts);
         }
-        match parts.len() {
-            0 => Cow::Borrowed(&[]),
-            // The common case (a body in one read): scanned where Envoy holds it, no copy.
-            1 => Cow::Borrowed(parts[0]),
-            _ => Cow::Owned(parts.concat()),
-        }
+        parts
     }
 
     fn request_body_size(&self) -> usize {

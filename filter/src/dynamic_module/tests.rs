@@ -9,6 +9,8 @@ use super::*;
 struct FakeHost {
     request: Vec<(String, String)>,
     body: Vec<u8>,
+    /// The lengths of the slices the body is held in, but the last (none: one slice).
+    body_cuts: Vec<usize>,
     source: Option<String>,
     principals: Vec<String>,
     response: Vec<(String, String)>,
@@ -46,8 +48,16 @@ impl Host for FakeHost {
     fn clear_route_cache(&mut self) {
         self.route_cache_clears += 1;
     }
-    fn request_body(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.body)
+    fn request_body(&self) -> Vec<&[u8]> {
+        let mut parts = Vec::new();
+        let mut rest = &self.body[..];
+        for &n in &self.body_cuts {
+            let (head, tail) = rest.split_at(n.min(rest.len()));
+            parts.push(head);
+            rest = tail;
+        }
+        parts.push(rest);
+        parts
     }
     fn request_body_size(&self) -> usize {
         self.body.len()
@@ -175,6 +185,33 @@ fn a_body_rule_waits_for_the_whole_body_then_decides_on_it() {
     assert_eq!(counted(&h, &names), ["infermesh.requests_total.class.batch.pool.batch.rule.chat-bulk"]);
     assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Continue, "decided once");
     assert_eq!(h.counted.len(), 1);
+}
+
+#[test]
+fn a_body_in_several_slices_is_decided_as_in_one() {
+    let (cfg, _) = module();
+    let body = r#"{"stream":false,"max_tokens":2048,"messages":[{"role":"user","content":"h\u00e9llo wörld"}]}"#.as_bytes();
+    let decide = |cuts: Vec<usize>| {
+        let mut h = chat(body);
+        h.body_cuts = cuts;
+        let mut s = Stream::default();
+        assert_eq!(s.on_request_headers(&cfg, &mut h, false), Next::Wait);
+        assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Continue);
+        (h.header(HEADER_RULE).map(str::to_string), h.counted.clone())
+    };
+    let whole = decide(vec![]);
+    assert_eq!(whole.0.as_deref(), Some("chat-bulk"));
+    for at in 0..=body.len() {
+        assert_eq!(decide(vec![at]), whole, "cut at {at}");
+    }
+    assert_eq!(decide(vec![1; body.len()]), whole, "a byte a slice");
+    // A cut body that is not JSON falls back as the whole one does.
+    let mut h = chat(br#"{"stream":false,"max_tokens":20"#);
+    h.body_cuts = vec![5, 0, 7];
+    let mut s = Stream::default();
+    s.on_request_headers(&cfg, &mut h, false);
+    s.on_request_body(&cfg, &mut h, true);
+    assert_eq!(h.header(HEADER_RULE), Some("chat"));
 }
 
 #[test]
