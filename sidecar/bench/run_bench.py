@@ -476,6 +476,7 @@ async def bench(args, work: Path) -> dict:
                 order = chosen[r % len(chosen):] + chosen[: r % len(chosen)]
                 res: dict[str, dict] = {}
                 for name in order:
+                    await asyncio.sleep(args.gap_s)
                     server = server_pids.get(name)
                     cpu0 = tree_cpu_seconds(server) if server else None
                     ttfts, tokens, wall = await load_phase(name, args.tokens, args.concurrency, args.requests)
@@ -585,6 +586,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--single", type=int, default=30, help="lone requests per variant per round")
+    ap.add_argument("--gap-s", type=float, default=0.0,
+                    help="idle seconds before each variant's turn (vLLM's engine busy-waits for 1 s after its last work)")
     ap.add_argument("--no-go-client", dest="go_client", action="store_false",
                     help="leave out the grpc-go client's lone requests (built with `go` when present)")
     ap.add_argument("--sidecar-event-loop", choices=("uvloop", "asyncio"), default="uvloop")
