@@ -251,8 +251,9 @@ class ServingSettings(Strict):
     """Completion length when a request does not say."""
     max_n: Annotated[int, Field(ge=1, le=128)] = 8
     """Largest `n` (choices per request) accepted."""
-    stream_coalesce_ms: Annotated[float, Field(ge=0, le=1000)] = 10.0
-    """Under load, at most one streamed message per choice per this window (0: off)."""
+    stream_coalesce_ms: Annotated[float, Field(ge=0, le=1000)] = 0.0
+    """Under load, at most one streamed message per choice per this window (0: off, the default;
+    docs/sidecar-benchmark.md measured what a window costs)."""
     stream_coalesce_min_inflight: Annotated[int, Field(ge=1)] = 8
     """Coalescing starts at this many requests in flight; below it every step is sent at once."""
 

@@ -313,12 +313,13 @@ def pin_server(root: int, front: set[int], engine: set[int]) -> None:
 
 # ---- the servers ------------------------------------------------------------------------------
 
-def start_sidecar(work: Path, event_loop: str) -> tuple[subprocess.Popen, Path, int, int]:
+def start_sidecar(work: Path, event_loop: str, coalesce_ms: float | None = None) -> tuple[subprocess.Popen, Path, int, int]:
     http_port, grpc_port = free_ports(2)
     cfg = {
         "pool": "bench",
         "models": [{"name": MODEL, "path": str(paths.models_dir() / MODEL), "max_model_len": MAX_LEN, "kv_cache_bytes": KV_BYTES}],
-        "server": {"http_port": http_port, "grpc_port": grpc_port, "max_concurrent_requests": 1024},
+        "server": {"http_port": http_port, "grpc_port": grpc_port, "max_concurrent_requests": 1024,
+                   **({} if coalesce_ms is None else {"stream_coalesce_ms": coalesce_ms})},
     }
     (work / "sidecar.json").write_text(json.dumps(cfg))
     log = work / "sidecar.log"
@@ -384,7 +385,7 @@ async def bench(args, work: Path) -> dict:
     http_client = HttpClientProcess()
     chosen = [v for v in VARIANTS if v in args.variants]
     say(f"bench: loading the engines of {', '.join(chosen)} …")
-    sidecar, sidecar_log, http_port, grpc_port = start_sidecar(work, args.sidecar_event_loop)
+    sidecar, sidecar_log, http_port, grpc_port = start_sidecar(work, args.sidecar_event_loop, args.sidecar_coalesce_ms)
     serve = serve_stats = None
     if "vllm-serve" in chosen:
         serve, serve_log, serve_port = start_vllm_serve(work)
@@ -586,8 +587,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--single", type=int, default=30, help="lone requests per variant per round")
-    ap.add_argument("--gap-s", type=float, default=0.0,
-                    help="idle seconds before each variant's turn (vLLM's engine busy-waits for 1 s after its last work)")
+    ap.add_argument("--sidecar-coalesce-ms", type=float, help="the sidecar's stream_coalesce_ms (default: its own, 10)")
+    ap.add_argument("--gap-s", type=float, default=2.0,
+                    help="idle seconds before each variant's turn (default 2: vLLM's engine busy-waits for 1 s after its last work, and on one core that spin met the next turn's start)")
     ap.add_argument("--no-go-client", dest="go_client", action="store_false",
                     help="leave out the grpc-go client's lone requests (built with `go` when present)")
     ap.add_argument("--sidecar-event-loop", choices=("uvloop", "asyncio"), default="uvloop")
