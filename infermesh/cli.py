@@ -39,16 +39,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     plan = LocalMeshPlan(policy_path=Path(args.policy) if args.policy else LOCAL_POLICY, policy=policy,
                          listen_port=args.port, admin_port=args.admin_port, xds_port=args.xds_port)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="infermesh-run-"))
-    cores = {}
-    for item in args.cpus:
-        pool, sep, spec = item.partition("=")
-        if not sep or not pool or not spec:
-            say(f"--cpus {item!r}: expected POOL=CPUS, e.g. --cpus interactive=0 --cpus batch=1")
-            if not args.run_dir:
-                run_dir.rmdir()
-            return 2
-        cores[pool] = spec
     try:
+        cores = {}
+        for item in args.cpus:
+            pool, sep, spec = item.partition("=")
+            if not (sep and pool and spec):
+                raise LaunchError(f"--cpus {item!r}: expected POOL=CPUS, e.g. --cpus interactive=0 --cpus batch=1")
+            cores[pool] = spec
         mesh = LocalMesh(plan, run_dir, cpu_cores=cores, pin_tree=bool(cores), proxy_cores=args.proxy_cpus)
     except LaunchError as e:
         say(str(e))

@@ -155,17 +155,21 @@ def grpc_variant(stub):
     return one
 
 
-async def http_lone_block(client, one, n: int, metrics_url: str | None) -> dict[str, list[float]]:
-    """`n` lone 8-token requests; with `metrics_url` (the sidecar's), each one's front overhead too."""
-    out: dict[str, list[float]] = {"py": []}
-    last = await sidecar_ttft_sum(client, metrics_url, "http") if metrics_url else 0.0
-    for _ in range(n):
-        ttft, _ = await one(8)
-        out["py"].append(ttft)
-        if metrics_url:
-            before, last = last, await sidecar_ttft_sum(client, metrics_url, "http")
-            out.setdefault("py_overhead", []).append(ttft - (last - before))
-        await asyncio.sleep(0.02)  # the same pause after every lone request, every variant
+async def lone_requests(clients, n: int, read_sum=None) -> dict[str, list[float]]:
+    """`n` lone 8-token requests per client (`clients`: (label, call) pairs, ABBA so each is as
+    often first as second on the same engine); with `read_sum` (the sidecar's TTFT-histogram sum
+    for one front), each request's front overhead too."""
+    out: dict[str, list[float]] = {}
+    # Nothing else runs meanwhile: one reading after each request is the next one's "before".
+    last = await read_sum() if read_sum else 0.0
+    for i in range(n):
+        for label, call in (clients if i % 4 in (0, 3) else clients[::-1]):
+            ttft, _ = await call()
+            out.setdefault(label, []).append(ttft)
+            if read_sum:
+                before, last = last, await read_sum()
+                out.setdefault(label + "_overhead", []).append(ttft - (last - before))
+            await asyncio.sleep(0.02)  # the same pause after every lone request, every variant
     return out
 
 
@@ -192,7 +196,9 @@ async def client_worker() -> None:
             ttfts, tokens, wall = await drive(lambda: one(cmd["tokens"]), cmd["concurrency"], cmd["requests"])
             answer = {"ttfts": ttfts, "tokens": tokens, "wall": wall}
         else:
-            answer = await http_lone_block(client, one, cmd["n"], cmd.get("metrics_url"))
+            url = cmd.get("metrics_url")
+            answer = await lone_requests([("py", lambda: one(8))], cmd["n"],
+                                         (lambda: sidecar_ttft_sum(client, url, "http")) if url else None)
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
     for c in clients.values():
@@ -268,47 +274,48 @@ async def sidecar_ttft_sum(client, metrics_url: str, front: str) -> float:
     return sum(float(v) for labels, v in _TTFT_SUM.findall(text) if f'front="{front}"' in labels)
 
 
+def _proc_stats() -> dict[int, list[str]]:
+    """Every process's /proc/PID/stat fields after its name (field 3 on: state, ppid, …)."""
+    stats = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                stats[int(pid)] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return stats
+
+
+def _descendants(stats: dict[int, list[str]], root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for pid, f in stats.items():
+        children.setdefault(int(f[1]), []).append(pid)
+    out, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
 def tree_cpu_seconds(root: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of `root` ("front") and of all its descendants
     ("engine": vLLM's engine-core and worker processes), from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
-    parent, cpu = {}, {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parent[int(pid)], cpu[int(pid)] = int(f[1]), (int(f[11]) + int(f[12])) / tick
-    out = {"front": cpu.get(root, 0.0), "engine": 0.0}
-    for pid in cpu:
-        p = parent.get(pid)
-        while p and p != root:
-            p = parent.get(p)
-        if p == root and pid != root:
-            out["engine"] += cpu[pid]
-    return out
+    stats = _proc_stats()
+
+    def cpu(pid: int) -> float:
+        f = stats.get(pid)
+        return (int(f[11]) + int(f[12])) / tick if f else 0.0
+    return {"front": cpu(root), "engine": sum(cpu(p) for p in _descendants(stats, root))}
 
 
 def pin_server(root: int, front: set[int], engine: set[int]) -> None:
     """Every thread of `root` (the server's front) on `front`, every thread of its descendants
     (vLLM's engine-core and worker processes) on `engine`."""
-    parent = {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                parent[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                pass
-    for pid in parent:
-        p = pid
-        while p and p != root:
-            p = parent.get(p)
-        if p != root:
-            continue
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(tid), front if pid == root else engine)
+    for pid in [root, *_descendants(_proc_stats(), root)]:
+        with contextlib.suppress(OSError):  # a process gone meanwhile
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), front if pid == root else engine)
 
 
 # ---- the servers ------------------------------------------------------------------------------
@@ -453,25 +460,13 @@ async def bench(args, work: Path) -> dict:
                 if name in http_bases:
                     return await http_client.call(op="lone", base=http_bases[name], concurrency=args.concurrency, n=args.single,
                                                   metrics_url=metrics_url if name == "sidecar-http" else None)
-                front = {"sidecar-grpc": "grpc"}.get(name)
                 clients = [("py", lambda: ones[name](8))]
                 if name == "sidecar-grpc" and go:
                     async def go_one():
                         return await go.one(), 8
                     clients.append(("go", go_one))
-                out: dict[str, list[float]] = {}
-                # Nothing else runs meanwhile: one reading after each request is the next one's "before".
-                last = await sidecar_ttft_sum(client, metrics_url, front) if front else 0.0
-                for i in range(args.single):
-                    # ABBA: each client as often first as second, on the same engine
-                    for label, call in (clients if i % 4 in (0, 3) else clients[::-1]):
-                        ttft, _ = await call()
-                        out.setdefault(label, []).append(ttft)
-                        if front:
-                            before, last = last, await sidecar_ttft_sum(client, metrics_url, front)
-                            out.setdefault(label + "_overhead", []).append(ttft - (last - before))
-                        await asyncio.sleep(0.02)  # the same pause after every lone request, every variant
-                return out
+                read_sum = (lambda: sidecar_ttft_sum(client, metrics_url, "grpc")) if name == "sidecar-grpc" else None
+                return await lone_requests(clients, args.single, read_sum)
             rounds: list[dict[str, dict]] = []
             for r in range(args.rounds):
                 order = chosen[r % len(chosen):] + chosen[: r % len(chosen)]
@@ -587,7 +582,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--single", type=int, default=30, help="lone requests per variant per round")
-    ap.add_argument("--sidecar-coalesce-ms", type=float, help="the sidecar's stream_coalesce_ms (default: its own, 10)")
+    ap.add_argument("--sidecar-coalesce-ms", type=float, help="the sidecar's stream_coalesce_ms (default: the sidecar's own)")
     ap.add_argument("--gap-s", type=float, default=2.0,
                     help="idle seconds before each variant's turn (default 2: vLLM's engine busy-waits for 1 s after its last work, and on one core that spin met the next turn's start)")
     ap.add_argument("--no-go-client", dest="go_client", action="store_false",
