@@ -106,3 +106,13 @@ def running_mesh(source: Path, run_dir: Path):
 @pytest.fixture(scope="session")
 def local_mesh(tmp_path_factory) -> LocalMesh:
     yield from running_mesh(E2E_POLICY, tmp_path_factory.mktemp("mesh"))
+
+
+@pytest.fixture(scope="session")
+def native_module() -> Path:
+    """The filter as a dynamic module (`filter.runtime: native`), built if it is not (incremental)."""
+    import subprocess
+
+    subprocess.run(["bash", str(paths.REPO_ROOT / "scripts" / "build-native-filter.sh")], check=True, capture_output=True)
+    assert paths.filter_native_module().exists()
+    return paths.filter_native_module()

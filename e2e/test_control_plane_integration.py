@@ -5,6 +5,7 @@ killed and restarted while traffic flows."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from infermesh import paths
 from infermesh.launcher import free_ports, wait_until
+from infermesh.meshconfig.envoy_resources import native_module_env
 from infermesh.meshconfig.xds_server import xds_bootstrap
 
 POLICY = """\
@@ -58,7 +60,9 @@ class Harness:
         boot.write_text(json.dumps(xds_bootstrap(self.admin, "127.0.0.1", self.xds_port)))
         self.envoy = subprocess.Popen(
             [str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "warn"],
-            stdout=open(tmp / "envoy.log", "wb"), stderr=subprocess.STDOUT)
+            stdout=open(tmp / "envoy.log", "wb"), stderr=subprocess.STDOUT,
+            # As the launcher does: where a policy's `filter.runtime: native` module is found.
+            env=os.environ | native_module_env(paths.filter_native_module()))
         self.base = f"http://127.0.0.1:{self.listen}"
 
     def start_cp(self):
@@ -211,3 +215,54 @@ def test_a_dead_pool_fails_over_to_its_spill_pool_without_a_failed_request(tmp_p
           f"{traffic.count} requests, none failed")
     assert served.index("batch") > 0 and served[-1] == "batch"
     assert not traffic.failures, traffic.failures[:5]
+
+
+# A body rule before the header rule, so the filter decides chats (a header-only rule is a native route).
+BODY_POLICY = POLICY.replace("rules:\n", """rules:
+  - name: bulk
+    class: batch
+    match: {methods: [POST], path: {prefix: /v1/chat/completions}, body: {max_tokens: {min: 1000}}}
+""").replace("CHAT_CLASS", "interactive")
+
+
+def prometheus(admin: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats/prometheus", timeout=5) as r:
+        return r.read().decode()
+
+
+def chats_counted(admin: int, namespace: str) -> int:
+    """The filter's count of chats it sent to interactive, in one runtime's stats namespace."""
+    name = f"{namespace}.infermesh.requests_total.class.interactive.pool.interactive.rule.chat"
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=^{name}$", timeout=5) as r:
+        text = r.read().decode()
+    return int(text.partition(": ")[2] or 0)
+
+
+def test_the_filter_runtime_switches_between_wasm_and_the_native_module_live(native_module, tmp_path, upstreams):
+    """`filter.runtime: native` edited into a served policy: Envoy takes the listener with the
+    dynamic module in the Wasm filter's place and goes on deciding the same way, no request lost;
+    its counters carry the same Prometheus names and tags; and back."""
+    h = Harness(tmp_path, upstreams, policy=BODY_POLICY)
+    series = 'infermesh_requests_total{class="interactive",pool="interactive",rule="chat"}'
+    try:
+        assert h.wait_serving()["upstream"] == "interactive"
+        assert chats_counted(h.admin, "wasmcustom") > 0 and series in prometheus(h.admin)
+        with Traffic(h.base) as traffic:
+            for policy, namespace in ((BODY_POLICY + "filter:\n  runtime: native\n", "dynamicmodulescustom"), (BODY_POLICY, "wasmcustom")):
+                before = chats_counted(h.admin, namespace)
+                h.policy.write_text(policy)
+                t0 = time.monotonic()
+                # Counting in this runtime's namespace: this runtime decides the requests now.
+                wait_until(lambda: chats_counted(h.admin, namespace) > before + 2, 10, every=0.05, what=f"{namespace} counting chats")
+                print(f"[runtime] {namespace}: deciding {time.monotonic() - t0:.2f} s after the edit")
+                big = urllib.request.Request(h.base + "/v1/chat/completions", data=json.dumps({"max_tokens": 4096}).encode(), method="POST",
+                                             headers={"content-type": "application/json"})
+                with urllib.request.urlopen(big, timeout=5) as r:
+                    assert json.loads(r.read())["upstream"] == "batch", "the body rule, decided by the filter in either runtime"
+                assert series in prometheus(h.admin)
+                assert f'infermesh_requests_total{{class="batch",pool="batch",rule="bulk"}}' in prometheus(h.admin)
+    finally:
+        h.stop()
+    assert not traffic.failures, traffic.failures[:5]
+    assert traffic.served and set(traffic.served) == {"interactive"}
+    assert "rejected" not in h.cp_logs() and "generation failed" not in h.cp_logs()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import subprocess
 import sys
 import time
 import urllib.request
@@ -25,22 +24,21 @@ from e2e.test_pool_state_integration import LEVEL, batch, chat, get, pool_state_
 from infermesh import paths
 
 sys.path.insert(0, str(paths.REPO_ROOT / "filter" / "bench"))
-from native_module import NATIVE_SO, to_native  # noqa: E402
+from native_module import NATIVE_SO  # noqa: E402
 
 # The native module's counters: Envoy's dynamic-modules namespace, then the Wasm filter's names.
 STATS_PREFIX = "dynamicmodulescustom."
 
 
 @pytest.fixture(scope="module")
-def native_so() -> Path:
-    subprocess.run(["bash", str(paths.REPO_ROOT / "scripts" / "build-native-filter.sh")], check=True, capture_output=True)
-    assert NATIVE_SO.exists()
-    return NATIVE_SO
+def native_so(native_module) -> Path:
+    assert native_module == NATIVE_SO, "the benchmark and the mesh load the same build"
+    return native_module
 
 
 def NativeEnvoy(workdir: Path, filter_config: dict | str, pools: dict[str, int], module: Path, native_rules: bool = True) -> EnvoyUnderTest:
-    """EnvoyUnderTest's Envoy with the Wasm filter swapped for the native module."""
-    return EnvoyUnderTest(workdir, filter_config, pools, native_rules, edit=lambda doc: to_native(doc, module))
+    """EnvoyUnderTest's Envoy with the filter as the native module (MeshListener's filter_runtime native)."""
+    return EnvoyUnderTest(workdir, filter_config, pools, native_rules, native_module=module)
 
 
 def stats(admin: str) -> dict[str, int]:
@@ -192,7 +190,7 @@ def test_an_invalid_config_is_refused_with_the_field_named(upstreams, native_so,
 def mesh(native_so, tmp_path_factory):
     """test_pool_state_integration's mesh (the e2e policy: interactive spills to batch and batch
     is shed at level 3; two workers, two fake sidecars) with the native module in place of the Wasm filter."""
-    yield from pool_state_mesh(tmp_path_factory.mktemp("native-pool-state"), edit=lambda doc: to_native(doc, native_so))
+    yield from pool_state_mesh(tmp_path_factory.mktemp("native-pool-state"), native_module=native_so)
 
 
 def normal(base: str, sidecars: dict) -> None:

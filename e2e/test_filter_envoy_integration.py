@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import subprocess
 import time
 import urllib.request
@@ -20,6 +21,7 @@ import pytest
 from infermesh import paths
 from infermesh.launcher import free_ports
 from infermesh.meshconfig.envoy_bootstrap import MeshListener, PoolEndpoint, write_bootstrap
+from infermesh.meshconfig.envoy_resources import native_module_env
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.policy import load_policy
 
@@ -47,8 +49,9 @@ FILTER_CONFIG = {
 
 class EnvoyUnderTest:
     def __init__(self, workdir: Path, filter_config: dict | str, pools: dict[str, int], native_rules: bool = True,
-                 edit: Callable[[dict], None] | None = None):
-        """`edit` changes the generated bootstrap before Envoy reads it (e.g. the native module's swap)."""
+                 edit: Callable[[dict], None] | None = None, native_module: Path | None = None):
+        """`edit` changes the generated bootstrap before Envoy reads it; `native_module`: the filter
+        as that dynamic module (filter.runtime: native) instead of the Wasm build."""
         self.listen, self.admin_port = free_ports(2)
         listener = MeshListener(
             listen_host="127.0.0.1",
@@ -59,13 +62,15 @@ class EnvoyUnderTest:
             pools=[PoolEndpoint(n, "127.0.0.1", p) for n, p in pools.items()],
             default_pool="batch",
             native_rules=native_rules,
+            filter_runtime="native" if native_module else "wasm",
         )
         boot = write_bootstrap(listener, workdir / "envoy.json")
         if not isinstance(filter_config, dict) or edit is not None:
             doc = json.loads(boot.read_text())
             if not isinstance(filter_config, dict):  # a raw (possibly invalid) config string
                 hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-                hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"] = filter_config
+                typed = hcm["http_filters"][0]["typed_config"]
+                (typed["filter_config"] if native_module else typed["config"]["configuration"])["value"] = filter_config
             if edit is not None:
                 edit(doc)
             boot.write_text(json.dumps(doc))
@@ -73,6 +78,7 @@ class EnvoyUnderTest:
         self.proc = subprocess.Popen(
             [str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "info"],
             stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+            env=os.environ | native_module_env(native_module) if native_module else None,
         )
         self.base = f"http://127.0.0.1:{self.listen}"
         self.admin = f"http://127.0.0.1:{self.admin_port}"

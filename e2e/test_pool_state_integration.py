@@ -14,6 +14,7 @@ request under traffic, and to the first shed request for an idle pool (learned b
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -21,13 +22,13 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 from infermesh import paths
 from infermesh.launcher import free_ports
 from infermesh.meshconfig.envoy_bootstrap import write_bootstrap
+from infermesh.meshconfig.envoy_resources import native_module_env
 from infermesh.meshconfig.local_mesh import LocalMeshPlan, PoolPorts
 from infermesh.meshconfig.policy import load_policy
 
@@ -84,11 +85,13 @@ def mesh(tmp_path_factory):
     yield from pool_state_mesh(tmp_path_factory.mktemp("pool-state"))
 
 
-def pool_state_mesh(work: Path, edit: Callable[[dict], None] | None = None):
+def pool_state_mesh(work: Path, native_module: Path | None = None):
     """Envoy with the e2e policy's routes and filter config over two fake sidecars, two workers;
-    yields (base URL, admin URL, sidecars) and stops everything after. `edit` changes the
-    bootstrap before Envoy reads it (the native module's swap)."""
+    yields (base URL, admin URL, sidecars) and stops everything after. `native_module`: the
+    policy's `filter.runtime: native`, with that module."""
     policy = load_policy(E2E_POLICY)
+    if native_module is not None:
+        policy = policy.model_copy(update={"filter": policy.filter.model_copy(update={"runtime": "native"})})
     listen, admin, p_int, p_batch = free_ports(4)
     sidecars = {"interactive": FakeSidecar("interactive", p_int), "batch": FakeSidecar("batch", p_batch)}
     plan = LocalMeshPlan(policy_path=E2E_POLICY, policy=policy, listen_port=listen, admin_port=admin,
@@ -103,12 +106,11 @@ def pool_state_mesh(work: Path, edit: Callable[[dict], None] | None = None):
     doc = json.loads(boot.read_text())
     for c in doc["static_resources"]["clusters"]:
         c.pop("health_checks", None)
-    if edit is not None:
-        edit(doc)
     boot.write_text(json.dumps(doc))
     log = work / "envoy.log"
     proc = subprocess.Popen([str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "2",
-                             "--log-level", "info"], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+                             "--log-level", "info"], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env=os.environ | native_module_env(native_module) if native_module else None)
     base, admin_url = f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:

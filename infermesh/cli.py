@@ -143,8 +143,21 @@ def _cmd_policy_check(args: argparse.Namespace) -> int:
     # The rules were checked as the filter checks them; say which make it buffer the body.
     body = [r.name for r in p.rules if r.match.needs_body]
     reads = f", {len(body)} {'reads' if len(body) == 1 else 'read'} the body: {', '.join(body)}" if body else ", none reads the body"
-    print(f"{args.file}: OK ({len(p.classes)} classes, {len(p.rules)} rules{reads}; pools: {', '.join(p.pools)})")
+    runtime = "; filter: native dynamic module (plain Envoy only)" if p.filter.runtime == "native" else ""
+    print(f"{args.file}: OK ({len(p.classes)} classes, {len(p.rules)} rules{reads}; pools: {', '.join(p.pools)}{runtime})")
     return 0
+
+
+def _istio_refused(file: str, e: Exception) -> int:
+    """A policy Istio cannot run: FILE:LINE: the message (the line of the field it names)."""
+    from pathlib import Path
+
+    from infermesh.meshconfig.policy import field_line
+
+    field = getattr(e, "field", None)
+    line = field_line(Path(file).read_text(), field) if field else None
+    print(f"{file}:{line}: {e}" if line else f"{file}: {e}", file=sys.stderr)
+    return 2
 
 
 def _cmd_policy_render(args: argparse.Namespace) -> int:
@@ -176,16 +189,18 @@ def _cmd_policy_render(args: argparse.Namespace) -> int:
         try:
             print(render_yaml(p, IstioOptions(wasm_url=url, wasm_sha256=sha or "", namespace=args.namespace)), end="")
         except IstioConfigError as e:
-            print(f"{args.file}: {e}", file=sys.stderr)
-            return 2
+            return _istio_refused(args.file, e)
         return 0
     elif args.what == "helm-values":
         import yaml
 
-        from infermesh.meshconfig.istio import helm_values
+        from infermesh.meshconfig.istio import IstioConfigError, helm_values
 
         # JSON, which Helm reads as YAML without YAML 1.1's surprises (there a bare `n` key is false).
-        out = helm_values(p, yaml.safe_load(Path(args.file).read_text()))
+        try:
+            out = helm_values(p, yaml.safe_load(Path(args.file).read_text()))
+        except IstioConfigError as e:
+            return _istio_refused(args.file, e)
     else:
         out = bootstrap(LocalMeshPlan(policy=p).listener(Path(paths.filter_wasm())))
     print(json.dumps(out, indent=2))

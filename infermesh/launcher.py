@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from infermesh.meshconfig.envoy_bootstrap import write_bootstrap
+from infermesh.meshconfig.envoy_resources import native_module_env
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.xds_server import xds_bootstrap
 
@@ -159,7 +160,7 @@ def _http_ok(url: str, timeout: float = 1.0) -> bool:
 
 class LocalMesh:
     def __init__(self, plan: LocalMeshPlan, run_dir: Path, models_dir: Path | None = None, wasm: Path | None = None,
-                 cpu_cores: dict[str, str] | None = None, pin_tree: bool = False, proxy_cores: str | None = None):
+                 native_module: Path | None = None, cpu_cores: dict[str, str] | None = None, pin_tree: bool = False, proxy_cores: str | None = None):
         self.plan = plan
         # Pool (or `pool.N`, one replica) -> the CPU ids its vLLM engines bind their OpenMP threads
         # to (VLLM_CPU_OMP_THREADS_BIND: `0`, `1`, `0-1`), so pools sharing one machine stop
@@ -180,6 +181,7 @@ class LocalMesh:
         self.run_dir = run_dir
         self.models_dir = models_dir or paths.models_dir()
         self.wasm = wasm or paths.filter_wasm()
+        self.native_module = native_module or paths.filter_native_module()
         self.children: list[Child] = []
         self.started_at: dict[str, float] = {}
         self.ready_after: dict[str, float] = {}
@@ -242,6 +244,16 @@ class LocalMesh:
     def start(self, timeout: float = 300.0, progress: Callable[[str], None] = lambda s: None) -> None:
         if not self.wasm.exists():
             raise LaunchError(f"filter not built: {self.wasm} is missing (run scripts/setup.sh)")
+        try:
+            # Always, so that a policy edited to `filter.runtime: native` later finds the module.
+            envoy_env = native_module_env(self.native_module)
+        except ValueError as e:
+            if self.plan.policy.filter.runtime == "native":
+                raise LaunchError(str(e)) from e
+            envoy_env = {}
+        if self.plan.policy.filter.runtime == "native" and not self.native_module.exists():
+            raise LaunchError(f"filter.runtime: native, and the module is not built: {self.native_module} is missing "
+                              "(run scripts/build-native-filter.sh)")
         for p in self.plan.pools:
             for model in self.plan.local_models(p.name):
                 if not (self.models_dir / model / "config.json").exists():
@@ -261,7 +273,7 @@ class LocalMesh:
         # and keeps watching the file; Envoy starts from a bootstrap that only names it.
         xds = [sys.executable, "-m", "infermesh.meshconfig.xds_server", "--policy", str(self.plan.policy_path),
                "--port", str(self.plan.xds_port), "--listen-host", self.plan.host, "--listen-port", str(self.plan.listen_port),
-               "--wasm", str(self.wasm)]
+               "--wasm", str(self.wasm), "--native-module", str(self.native_module)]
         for p in self.plan.pools:
             xds += ["--pool", f"{p.name}={self.plan.host}:{p.http_port}:{p.grpc_port}"]
             if p.admin_port:
@@ -277,7 +289,7 @@ class LocalMesh:
             "envoy",
             [str(envoy), "-c", str(bootstrap), "--use-dynamic-base-id", "--concurrency", "2", "--log-level", "warn",
              "--drain-time-s", "1", "--parent-shutdown-time-s", "2"],
-            cpus=self.proxy_cores,
+            envoy_env or None, cpus=self.proxy_cores,
         )
         progress(f"envoy: starting (listener :{self.plan.listen_port}, admin 127.0.0.1:{self.plan.admin_port})")
         try:

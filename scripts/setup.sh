@@ -88,5 +88,6 @@ if [ "${1:-}" = "--relock" ]; then relock; exit 0; fi
 apt_install
 python_env
 scripts/build-filter.sh >&2
+scripts/build-native-filter.sh >&2  # for `filter.runtime: native` (docs/filter-native-module.md)
 "$VENV/bin/infermesh" models build >&2
 echo "$VENV/bin/python"

@@ -322,6 +322,8 @@ def test_bundled_policy_and_its_generated_values_are_the_repositorys():
     ("trafficPolicy.outlierDetection.consecutive5xx=3", "'consecutive5xx' not allowed"),
     ("policy.pools.h100.models[0].tool_parser=hermes", "at '/policy/pools/h100/models/0': additional properties 'tool_parser' not allowed"),
     ("policy.pools.h100.models[0].enable_auto_tool_choice=yes", "at '/policy/pools/h100/models/0/enable_auto_tool_choice'"),
+    # Istio's proxy cannot load the native dynamic module (plain Envoy only).
+    ("policy.filter.runtime=native", "at '/policy/filter/runtime'"),
 ])
 def test_values_typos_are_rejected_by_the_schema(helm, setting, message):
     assert message in helm.template_error(SCENARIOS["production"], [setting])

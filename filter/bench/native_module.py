@@ -1,7 +1,7 @@
 """The filter as a native Envoy dynamic module against the Wasm filter and no filter, side by side.
 
-Each native variant is a run_bench variant with the Wasm filter swapped for Envoy's
-`envoy.filters.http.dynamic_modules` filter loading the shared object built by
+Each native variant is a run_bench variant with `filter.runtime: native`: Envoy's
+`envoy.filters.http.dynamic_modules` filter (envoy_resources.filter_http_filter) loading the shared object built by
 scripts/build-native-filter.sh (docs/filter-native-module.md); everything else (routes, sink,
 request bodies, pinning) is run_bench's, so the two forms differ only in the filter runtime.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -35,12 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import instructions  # noqa: E402
 import run_bench as rb  # noqa: E402
+from infermesh.meshconfig.envoy_resources import NATIVE_MODULE_NAME, native_module_env  # noqa: E402
 
 FILTER_DIR = rb.paths.REPO_ROOT / "filter"
 NATIVE_SO = FILTER_DIR / "target" / "native" / "release" / "libinfermesh_filter.so"
 NATIVE_NOOP_SO = FILTER_DIR / "target" / "native-noop" / "release" / "libinfermesh_filter.so"
-WASM_FILTER = "envoy.filters.http.wasm"
-NATIVE_FILTER = "envoy.filters.http.dynamic_modules"
 
 # native variant -> (the run_bench variant whose config it takes, the module it loads)
 NATIVE = {
@@ -53,43 +53,33 @@ BASE_VARIANTS = ("no-filter", "wasm-noop", "headers-only", "headers-wasm", "body
 VARIANTS = BASE_VARIANTS + tuple(NATIVE)
 
 
-def native_filter(wasm: dict, module: Path) -> dict:
-    """The dynamic-modules filter that loads `module` with the Wasm filter's own configuration."""
-    return {"name": NATIVE_FILTER, "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
-        "dynamic_module_config": {"module": {"local": {"filename": str(module)}}, "do_not_close": True},
-        "filter_name": "infermesh",
-        "filter_config": wasm["typed_config"]["config"]["configuration"],
-    }}
-
-
-def to_native(cfg: dict, module: Path) -> None:
-    """Swap the Wasm filter for the native one, per-route settings (FilterConfig disabled on
-    natively decided routes) included."""
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    filters = hcm["http_filters"]
-    i = next(i for i, f in enumerate(filters) if f["name"] == WASM_FILTER)
-    filters[i] = native_filter(filters[i], module)
-    for vh in hcm["route_config"]["virtual_hosts"]:
-        for r in [vh, *vh["routes"]]:
-            per = r.get("typed_per_filter_config", {})
-            if WASM_FILTER in per:
-                per[NATIVE_FILTER] = per.pop(WASM_FILTER)
-
-
 # run_bench's own config writer, before native_module points run_bench at the one below.
 _WASM_CONFIG = rb.write_variant_config
 
 
 def write_variant_config(path: Path, name: str, port: int, admin: int, sink_port: int, runtime: str = "envoy.wasm.runtime.v8",
                          modules: dict[str, Path] | None = None) -> None:
-    """run_bench's config of a variant; a native variant's with the Wasm filter swapped out."""
+    """run_bench's config of a variant; a native variant's with the policy's native runtime.
+    Envoy finds the module through its environment, and each variant's Envoy starts right after
+    its config is written: the search path is set here for that child."""
     base, module = NATIVE.get(name, (name, None))
-    _WASM_CONFIG(path, base, port, admin, sink_port, runtime, modules)
+    _WASM_CONFIG(path, base, port, admin, sink_port, runtime, modules, native_module=module)
     if module:
-        cfg = json.loads(path.read_text())
-        to_native(cfg, module)
-        path.write_text(json.dumps(cfg))
+        os.environ.update(native_module_env(_as_loadable(module)))
+
+
+_STAGED: dict[Path, Path] = {}
+
+
+def _as_loadable(module: Path) -> Path:
+    """`module`, or a copy of it under the name Envoy loads (an earlier build given by path)."""
+    if module.name == f"lib{NATIVE_MODULE_NAME}.so":
+        return module
+    if module not in _STAGED:
+        staged = Path(tempfile.mkdtemp(prefix="infermesh-native-")) / f"lib{NATIVE_MODULE_NAME}.so"
+        shutil.copy2(module, staged)
+        _STAGED[module] = staged
+    return _STAGED[module]
 
 
 # run_bench.start_variant and instructions.count write each variant's config through these.

@@ -217,9 +217,10 @@ def baseline_of(name: str) -> str:
 
 
 def write_variant_config(path: Path, name: str, port: int, admin: int, sink_port: int, runtime: str,
-                         modules: dict[str, Path] | None = None) -> None:
+                         modules: dict[str, Path] | None = None, native_module: Path | None = None) -> None:
     """The Envoy config of one variant (instructions.py counts the same configs). `VARIANT@LABEL`
-    is the variant with the module `modules[LABEL]` instead of the built one."""
+    is the variant with the module `modules[LABEL]` instead of the built one; `native_module`:
+    the filter as that dynamic module (filter.runtime: native), routes and config unchanged."""
     name, _, label = name.partition("@")
     if name in ISTIO_VARIANTS:
         form, with_filter = ISTIO_VARIANTS[name]
@@ -230,7 +231,7 @@ def write_variant_config(path: Path, name: str, port: int, admin: int, sink_port
     wasm = (modules or {})[label] if label else NOOP_WASM if name == "wasm-noop" else paths.filter_wasm()
     m = MeshListener("127.0.0.1", port, admin, wasm, cfg,
                      [PoolEndpoint("interactive", "127.0.0.1", sink_port), PoolEndpoint("batch", "127.0.0.1", sink_port)], "batch",
-                     wasm_runtime=runtime,
+                     wasm_runtime=runtime, filter_runtime="native" if native_module else "wasm",
                      # The baselines run the filter on every request, as before native rules.
                      native_rules=name in ("headers-only", "headers-degraded", "body"))
     b = bootstrap(m)

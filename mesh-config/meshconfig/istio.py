@@ -63,7 +63,20 @@ HCM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.network.http_connec
 
 
 class IstioConfigError(ValueError):
-    """A policy or option that cannot become Istio resources; the message names the field."""
+    """A policy or option that cannot become Istio resources; the message names the field
+    (`field`: its path in the policy, when the policy is at fault, for the file's line)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+def check_policy(policy: Policy) -> None:
+    """Raise IstioConfigError for a policy Istio's proxy cannot run."""
+    if policy.filter.runtime != "wasm":
+        # istio-proxy loads extensions as Wasm; a dynamic module is tied to one Envoy build's ABI.
+        raise IstioConfigError("filter.runtime: Istio's proxy runs the filter as Wasm only (a native dynamic module is "
+                               "for plain Envoy, docs/filter-native-module.md): use `runtime: wasm`", field="filter.runtime")
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,7 @@ def needs_body(policy: Policy) -> bool:
 
 def check(policy: Policy, opts: IstioOptions) -> None:
     """Raise IstioConfigError for what Kubernetes or Istio would refuse."""
+    check_policy(policy)
     for pool in policy.pools:
         if not _DNS_LABEL.match(pool):
             raise IstioConfigError(f"pools.{pool}: a pool name becomes a Kubernetes Service name: lower-case letters, digits and '-', starting with a letter")
@@ -319,6 +333,7 @@ def chart_parts(policy: Policy) -> dict:
         poolCluster   the pools' EnvoyFilter's CLUSTER patch: the load-balancing policy
         retryBudget   the plain-Envoy clusters' retry budget (a circuit-breaker threshold's)
     """
+    check_policy(policy)
     m = envoy_form(policy)
     native = uses_native_rules(m)
     # No probe clusters here: their names hold the release and namespace (probe_clusters below,

@@ -93,6 +93,7 @@ class LocalMeshPlan:
             listen_port=self.listen_port,
             admin_port=self.admin_port,
             wasm_path=wasm_path,
+            filter_runtime=self.policy.filter.runtime,
             filter_config=self.filter_config(),
             pools=[PoolEndpoint.of(name, [Replica(self.host, r.http_port, r.grpc_port) for r in self.replicas(name)])
                    for name in self.policy.pools],

@@ -361,6 +361,10 @@ class PoolStateSpec(Strict):
 
 
 class FilterSpec(Strict):
+    runtime: Literal["wasm", "native"] = "wasm"
+    """How Envoy runs the filter: `wasm` (proxy-wasm, V8: plain Envoy and Istio) or `native` (the
+    same code as an Envoy dynamic module, plain Envoy only: no VM, cheaper per request; the
+    module is built for the pinned Envoy's ABI, docs/filter-native-module.md)."""
     body_max_bytes: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": MAX_BODY_BYTES})] = 262144
     """Bodies up to this size are buffered when a rule needs them (below Envoy's 1 MiB per-connection buffer)."""
     trusted_cidrs: list[str] = []
@@ -564,6 +568,15 @@ def _problem(err: dict) -> tuple[list, str]:
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     return loc, msg
+
+
+def field_line(text: str, field: str) -> int | None:
+    """The 1-based line of a dotted field path (`filter.runtime`, `rules.0.match`) in a policy's text."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    return _line_of(node, [int(k) if k.isdigit() else k for k in field.split(".")])
 
 
 def parse_policy(text: str, path: str = "<policy>") -> Policy:

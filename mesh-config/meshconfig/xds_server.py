@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--listen-port", type=int, default=8080)
     ap.add_argument("--pool", action="append", default=[], help="NAME=HOST:HTTP_PORT[:GRPC_PORT] of a pool's sidecar (repeat)")
     ap.add_argument("--wasm", default=str(paths.filter_wasm()))
+    ap.add_argument("--native-module", default=str(paths.filter_native_module()),
+                    help="the filter as a dynamic module (a policy with filter.runtime: native)")
     ap.add_argument("--pool-admin", action="append", default=[], help="NAME=URL of a pool sidecar's admin API (repeat): its level changes are logged")
     args = ap.parse_args(argv)
     setup_logging({"component": "xds"})
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         name, _, hostports = spec.partition("=")
         host, http_port, grpc_port = (hostports.split(":") + ["0"])[:3]
         endpoints.setdefault(name, []).append((host, int(http_port), int(grpc_port)))
-    cp = ControlPlane(MeshTarget(args.listen_host, args.listen_port, Path(args.wasm), endpoints))
+    cp = ControlPlane(MeshTarget(args.listen_host, args.listen_port, Path(args.wasm), endpoints, Path(args.native_module)))
     policy_watch = PolicyFileWatcher(Path(args.policy), cp.set_policy)
     if not policy_watch.load() or cp.version is None:
         print("infermesh-xds: the policy is not usable at start; see the log", file=sys.stderr)

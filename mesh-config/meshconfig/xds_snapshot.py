@@ -22,6 +22,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.http.dynamic_modules.v3 import dynamic_modules_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
@@ -119,6 +120,9 @@ class MeshTarget:
     wasm_path: Path
     endpoints: dict[str, tuple[str, int, int] | list[tuple[str, int, int]]]
     """pool -> (host, HTTP port, gRPC port or 0), or a list of them: one per replica."""
+    native_module_path: Path | None = None
+    """The filter as a dynamic module, for a policy with `filter.runtime: native` (Envoy loads it
+    from its own environment, envoy_resources.native_module_env: this is only checked to exist)."""
 
     def replicas(self, pool: str) -> list[tuple[str, int, int]]:
         e = self.endpoints[pool]
@@ -131,11 +135,16 @@ def mesh_listener(policy: Policy, target: MeshTarget) -> MeshListener:
     missing = set(policy.pools) - set(target.endpoints)
     if missing:
         raise ValueError(f"no endpoint given for pools {sorted(missing)}")
+    native = policy.filter.runtime == "native"
+    if native and (target.native_module_path is None or not target.native_module_path.exists()):
+        # Checked here, not left to Envoy: a policy that cannot load is refused before it is served.
+        raise ValueError(f"filter.runtime: native: the module {target.native_module_path} is missing (build it: scripts/build-native-filter.sh)")
     return MeshListener(
         listen_host=target.listen_host,
         listen_port=target.listen_port,
         admin_port=0,
         wasm_path=target.wasm_path,
+        filter_runtime=policy.filter.runtime,
         filter_config=policy.filter_config(),
         pools=[PoolEndpoint.of(name, target.replicas(name)) for name in policy.pools],
         default_pool=policy.default_pool,

@@ -4,12 +4,16 @@ front), failover endpoints sit at priority 1, and the real Envoy binary accepts 
 
 import dataclasses
 import json
+import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from infermesh import paths
 from infermesh.meshconfig.envoy_bootstrap import bootstrap
-from infermesh.meshconfig.envoy_resources import GRPC_CONTENT_TYPE, POOL_HEADER, Routing, cluster_name
+from infermesh.meshconfig.envoy_resources import (FILTER_STATS_TAGS, GRPC_CONTENT_TYPE, NATIVE_FILTER, POOL_HEADER, WASM_FILTER, Routing,
+                                                  cluster_name, native_module_env)
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 
 
@@ -171,3 +175,63 @@ def test_real_envoy_validates_the_generated_config(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout + r.stderr
+
+
+def with_runtime(plan: LocalMeshPlan, runtime: str) -> LocalMeshPlan:
+    return dataclasses.replace(plan, policy=plan.policy.model_copy(
+        update={"filter": plan.policy.filter.model_copy(update={"runtime": runtime})}))
+
+
+def test_the_native_runtime_puts_the_dynamic_module_where_the_wasm_filter_was():
+    # Without when_degraded, so some routes are decided natively and turn the filter off.
+    wasm_plan = without_when_degraded(LocalMeshPlan())
+    plan = with_runtime(wasm_plan, "native")
+    wasm, native = (bootstrap(p.listener(Path("/x.wasm"))) for p in (wasm_plan, plan))
+    hcm = _hcm(native)
+    assert [f["name"] for f in hcm["http_filters"]] == [NATIVE_FILTER, "envoy.filters.http.router"]
+    typed = hcm["http_filters"][0]["typed_config"]
+    assert typed["@type"].endswith("dynamic_modules.v3.DynamicModuleFilter")
+    assert typed["dynamic_module_config"] == {"name": "infermesh_filter", "do_not_close": True}
+    assert typed["filter_name"] == "infermesh"
+    # The same JSON config, byte for byte, as the Wasm filter's.
+    assert typed["filter_config"] == _hcm(wasm)["http_filters"][0]["typed_config"]["config"]["configuration"]
+    assert json.loads(typed["filter_config"]["value"]) == plan.filter_config()
+    # The same routes; natively decided ones turn the filter off under its own name.
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    off = [r for r in routes if "typed_per_filter_config" in r]
+    assert off and all(r["typed_per_filter_config"] == {NATIVE_FILTER: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
+                                                                         "disabled": True}} for r in off)
+    as_wasm = json.loads(json.dumps(routes).replace(NATIVE_FILTER, WASM_FILTER))
+    assert as_wasm == _hcm(wasm)["route_config"]["virtual_hosts"][0]["routes"]
+    assert WASM_FILTER not in json.dumps(native)
+
+
+def test_envoy_finds_the_native_module_through_its_environment(tmp_path):
+    module = tmp_path / "libinfermesh_filter.so"
+    assert native_module_env(module) == {"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(tmp_path)}
+    with pytest.raises(ValueError, match="filter.runtime: native: Envoy loads the module as libinfermesh_filter.so, not old.so"):
+        native_module_env(tmp_path / "old.so")
+    with pytest.raises(ValueError, match="filter.runtime: 'v8' is not one of"):
+        dataclasses.replace(LocalMeshPlan().listener(Path("/x.wasm")), filter_runtime="v8")
+
+
+@pytest.mark.parametrize("namespace", ["wasmcustom", "dynamicmodulescustom"])
+def test_the_filters_counters_are_tagged_in_either_runtime(namespace):
+    """As Envoy extracts tags: each regex on the full name; its first group leaves the name, the
+    second is the tag's value."""
+    def tags(name: str) -> tuple[str, dict[str, str]]:
+        found, cut = {}, []
+        for t in FILTER_STATS_TAGS:
+            if m := re.search(t["regex"], name):
+                found[t["tag_name"]] = m.group(2)
+                cut.append(m.span(1))
+        for start, end in sorted(cut, reverse=True):
+            name = name[:start] + name[end:]
+        return name, found
+
+    assert tags(f"{namespace}.infermesh.requests_total.class.interactive.pool.gpu.rule.chat") == (
+        f"{namespace}.infermesh.requests_total", {"class": "interactive", "pool": "gpu", "rule": "chat"})
+    assert tags(f"{namespace}.infermesh.shed_requests_total.class.batch") == (f"{namespace}.infermesh.shed_requests_total", {"class": "batch"})
+    assert tags(f"{namespace}.infermesh.pool_state_errors_total.reason.garbage")[1] == {"reason": "garbage"}
+    assert tags(f"{namespace}.infermesh.spilled_requests_total.pool.interactive")[1] == {"pool": "interactive"}
+    assert tags(f"{namespace}.infermesh.body_fallbacks_total.reason.too_large")[1] == {"reason": "too_large"}

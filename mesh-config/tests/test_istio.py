@@ -304,3 +304,22 @@ def test_cli_renders_the_istio_objects(capsys):
     assert docs == istio.resources(load_policy(PRODUCTION), istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, namespace="llm"))
     assert main(["policy", "render", str(PRODUCTION), "istio", "--wasm-url", OPTS.wasm_url, "--wasm-sha256", "x"]) == 2
     assert "wasm_sha256: 64 lower-case hex digits" in capsys.readouterr().err
+
+
+def test_a_native_filter_runtime_is_refused_for_istio_naming_the_field_and_line(tmp_path, capsys):
+    from infermesh.cli import main
+
+    assert "filter:" not in HEADER_ONLY
+    text = HEADER_ONLY + "filter:\n  runtime: native\n"
+    policy = parse_policy(text)
+    assert policy.filter.runtime == "native"
+    for build in (lambda: istio.resources(policy, OPTS), lambda: istio.chart_parts(policy), lambda: istio.helm_values(policy, {})):
+        with pytest.raises(istio.IstioConfigError, match="filter.runtime: Istio's proxy runs the filter as Wasm only") as e:
+            build()
+        assert e.value.field == "filter.runtime"
+    path = tmp_path / "native.yaml"
+    path.write_text(text)
+    line = text.splitlines().index("  runtime: native") + 1
+    for what in (["istio", "--wasm-url", OPTS.wasm_url, "--wasm-sha256", SHA], ["helm-values"]):
+        assert main(["policy", "render", str(path), *what]) == 2
+        assert capsys.readouterr().err.startswith(f"{path}:{line}: filter.runtime: ")

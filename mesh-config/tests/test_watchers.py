@@ -6,12 +6,17 @@ filter applies `when_degraded`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
+
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+
+from infermesh.meshconfig.envoy_resources import NATIVE_FILTER
 
 from infermesh.meshconfig.policy import LEVEL_DOWN, LOCAL_POLICY
 from infermesh.meshconfig.watchers import PolicyFileWatcher, PoolWatcher, pool_level
 from infermesh.meshconfig.xds_server import ControlPlane
-from infermesh.meshconfig.xds_snapshot import ROUTE_TYPE, MeshTarget
+from infermesh.meshconfig.xds_snapshot import LISTENER_TYPE, ROUTE_TYPE, MeshTarget
 
 TARGET = MeshTarget("127.0.0.1", 8080, Path("/x.wasm"), {"interactive": ("127.0.0.1", 8101, 8201), "batch": ("127.0.0.1", 8102, 8202)})
 GOOD = LOCAL_POLICY.read_text()
@@ -101,3 +106,20 @@ def test_a_level_change_rebuilds_nothing_and_a_bad_policy_keeps_the_last_good_sn
                     .replace("spill_to: batch", "spill_to: batch2"))
     assert PolicyFileWatcher(path, cp.set_policy).load()
     assert cp.rejections == 1 and cp.version == v1
+
+
+def test_a_switch_to_the_native_runtime_is_served_only_once_the_module_exists(tmp_path):
+    module = tmp_path / "libinfermesh_filter.so"
+    cp = ControlPlane(dataclasses.replace(TARGET, native_module_path=module))
+    path = tmp_path / "policy.yaml"
+    path.write_text(GOOD)
+    assert PolicyFileWatcher(path, cp.set_policy).load()
+    v1 = cp.version
+    path.write_text(GOOD + "filter:\n  runtime: native\n")
+    assert PolicyFileWatcher(path, cp.set_policy).load()
+    assert cp.rejections == 1 and cp.version == v1, "no module built: the Wasm listener stays"
+    module.write_bytes(b"\x7fELF")
+    assert cp.publish() and cp.version != v1
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    cp.ads.snapshot.resources[LISTENER_TYPE][0].filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    assert [f.name for f in hcm.http_filters] == [NATIVE_FILTER, "envoy.filters.http.router"]
