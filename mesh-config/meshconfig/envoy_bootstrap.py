@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .envoy_resources import (
     FILTER_STATS_TAGS,
+    LAYERED_RUNTIME,
     MeshListener,
     PoolEndpoint,
     admin,
@@ -27,6 +28,7 @@ __all__ = ["MeshListener", "PoolEndpoint", "bootstrap", "write_bootstrap"]
 def bootstrap(m: MeshListener) -> dict:
     return {
         "stats_config": {"stats_tags": FILTER_STATS_TAGS},
+        "layered_runtime": LAYERED_RUNTIME,
         "admin": admin(m.admin_port),
         "static_resources": {
             "listeners": [listener(m, http_connection_manager(m, inline_routes(m)))],

@@ -779,6 +779,15 @@ FILTER_STATS_TAGS = [
 ]
 
 
+# Envoy 1.40 names a dynamic module's counters `envoy_dynamicmodulescustom_*` in /stats/prometheus
+# unless this guard is on; on, they are `infermesh_*` as the Wasm filter's (`wasmcustom` is
+# always stripped), so dashboards read the same series in either runtime.
+LAYERED_RUNTIME = {"layers": [
+    {"name": "infermesh", "static_layer": {"envoy.reloadable_features.dynamic_modules_strip_custom_stat_prefix": True}},
+    {"name": "admin", "admin_layer": {}},  # what Envoy has without a layered_runtime
+]}
+
+
 def admin(port: int) -> dict:
     """Admin is bound to loopback on its own port and is never part of a route."""
     return {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}

@@ -31,7 +31,7 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from .ads_server import AdsServer
-from .envoy_resources import FILTER_STATS_TAGS
+from .envoy_resources import FILTER_STATS_TAGS, LAYERED_RUNTIME
 from .policy import Policy
 from .watchers import PolicyFileWatcher, PoolWatcher, ReplicaLevels
 from .xds_snapshot import MeshTarget, build_snapshot
@@ -82,6 +82,7 @@ def xds_bootstrap(admin_port: int, xds_host: str, xds_port: int, node_id: str = 
     return {
         "node": {"id": node_id, "cluster": "infermesh"},
         "stats_config": {"stats_tags": FILTER_STATS_TAGS},
+        "layered_runtime": LAYERED_RUNTIME,
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
         "dynamic_resources": {
             "ads_config": {
