@@ -16,6 +16,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from infermesh.launcher import wait_until
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
@@ -165,3 +166,40 @@ def test_grpc_through_the_mesh_is_classified_and_routed_to_the_pools_grpc_front(
     assert trailers["x-infermesh-served-by"] == "interactive/0"
     stats = httpx.get(f"http://127.0.0.1:{local_mesh.plan.admin_port}/stats?filter=cluster.pool_interactive_grpc.upstream_rq_total", timeout=5).text
     assert int(stats.split(":")[-1]) >= 1, stats
+
+
+def filter_count(mesh, namespace: str, rule: str, cls: str) -> int:
+    """Envoy's count of requests the filter (in one runtime's stats namespace) gave `rule`."""
+    name = f"{namespace}.infermesh.requests_total.class.{cls}.pool.{cls}.rule.{rule}"
+    with urllib.request.urlopen(f"http://127.0.0.1:{mesh.plan.admin_port}/stats?filter=^{re.escape(name)}$", timeout=5) as r:
+        return int(r.read().decode().partition(": ")[2] or 0)
+
+
+def test_the_mesh_serves_the_same_with_the_native_filter_runtime(local_mesh, client, native_module):
+    """`filter.runtime: native` edited into the running mesh's policy: Envoy (started by the
+    launcher with the module's search path) takes the module in the Wasm filter's place and the
+    OpenAI API is served as before, each request decided by the module; then back to Wasm."""
+    path = local_mesh.plan.policy_path
+    good = path.read_text()
+    assert "\nfilter:" not in good
+    chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    try:
+        path.write_text(good.replace("\npools:\n", "\nfilter:\n  runtime: native\npools:\n", 1))
+        wait_until(lambda: client.chat.completions.create(**chat) and filter_count(local_mesh, "dynamicmodulescustom", "chat", "interactive") > 0,
+                   20, every=0.2, what="the native module deciding chats")
+        raw = client.chat.completions.with_raw_response.create(**chat, stream=True)
+        assert raw.headers["x-infermesh-served-by"] == "interactive/0"
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+        done = client.completions.with_raw_response.create(model="tiny-llama", prompt="Summarize:", max_tokens=4)
+        assert done.headers["x-infermesh-served-by"] == "batch/0"
+        # A body rule, read by the module from Envoy's buffer: the bulk chat goes to batch (whose
+        # sidecar refuses the unknown model at once: the route is what is checked).
+        bulk = filter_count(local_mesh, "dynamicmodulescustom", "chat-bulk", "batch")
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(**(chat | {"model": "gpt-nope", "max_tokens": 2000, "stream": False}))
+        assert filter_count(local_mesh, "dynamicmodulescustom", "chat-bulk", "batch") == bulk + 1
+    finally:
+        path.write_text(good)
+        before = filter_count(local_mesh, "wasmcustom", "chat", "interactive")
+        wait_until(lambda: client.chat.completions.create(**chat) and filter_count(local_mesh, "wasmcustom", "chat", "interactive") > before,
+                   20, every=0.2, what="the Wasm filter deciding chats again")
