@@ -1,5 +1,6 @@
 """The Envoy resources of the mesh, as parts: the listener and its HTTP connection manager, the
-Wasm filter, the routes (per pool on the filter's `x-infermesh-pool` header, native header-rule
+filter (Wasm, or the same filter as a native dynamic module: the policy's `filter.runtime`,
+docs/filter-native-module.md), the routes (per pool on the filter's `x-infermesh-pool` header, native header-rule
 routes, shed routes), the retry policy, per pool two clusters (the OpenAI HTTP front `pool_NAME`
 and the gRPC front `pool_NAME_grpc`) with their limits, and their endpoints.
 
