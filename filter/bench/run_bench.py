@@ -10,9 +10,11 @@ Variants (each its own Envoy, --concurrency 1, in front of the same direct-respo
                   form with trusted sources, and the one Istio's resources use)
   body            the filter with a body rule first, so it buffers and parses every chat body
   headers-degraded  the header rules with the bundled policy's `when_degraded` (degraded_routing:
-                  interactive spills to batch, batch is shed): its classes are filter routes, so
-                  the filter decides every request, reads and strips the sink's level header in
-                  its response callback (shared-data CAS writes) and probes the idle batch pool
+                  the interactive pool's state, batch is shed while it is degraded; the spill to
+                  batch is Envoy's health-check failover, not the filter's): its classes are filter
+                  routes, so the filter decides every request, reads the sink's level header of
+                  interactive's responses in its response callback (shared-data CAS writes), strips
+                  it from every response and probes interactive's state cluster while it is idle
 The Istio form (istio_form.py: the gateway config istiod emits from the chart, replayed statically;
 compared with istio-no-filter, which always runs with them):
   istio-no-filter     the chart's gateway (VirtualService, DestinationRules) without the filter

@@ -17,8 +17,6 @@ pub const CONFIG_VERSION: u32 = 1;
 pub const HEADER_CLASS: &str = "x-infermesh-class";
 pub const HEADER_POOL: &str = "x-infermesh-pool";
 pub const HEADER_RULE: &str = "x-infermesh-rule";
-/// Set on a request `when_degraded` sent to another pool: the pool it was bound for.
-pub const HEADER_SPILLED_FROM: &str = "x-infermesh-spilled-from";
 /// Prefix of every header the filter reserves for itself.
 pub const INTERNAL_HEADER_PREFIX: &str = "x-infermesh-";
 /// Gateway API Inference Extension / llm-d: the InferenceObjective a request belongs to.
@@ -79,8 +77,10 @@ struct RawDegraded {
 struct RawDegradedPool {
     #[serde(default = "default_at_level")]
     at_level: u8,
-    #[serde(default)]
-    spill_to: Option<String>,
+    /// No longer the filter's (Envoy's health check and priority failover spill a degraded
+    /// pool): refused by name rather than as an unknown field, so an old config says why.
+    #[serde(default, deserialize_with = "present")]
+    spill_to: Option<()>,
     #[serde(default)]
     shed_classes: Vec<String>,
     #[serde(default)]
@@ -104,6 +104,10 @@ fn default_retry_after() -> u64 {
 }
 fn default_at_level() -> u8 {
     crate::pool_state::LEVEL_DOWN
+}
+/// `Some(())` for a field that is there at all, whatever its value (`null` included).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<()>, D::Error> {
+    serde::de::IgnoredAny::deserialize(d).map(|_| Some(()))
 }
 
 #[derive(Debug, Deserialize)]
@@ -345,11 +349,11 @@ pub struct FilterConfig {
     pub degraded: Option<DegradedRouting>,
 }
 
-/// One pool's `when_degraded` and how its state is learned.
+/// One pool's `when_degraded` as the filter applies it (shedding; spill is Envoy's health-check
+/// failover) and how its state is learned.
 #[derive(Debug, Clone)]
 pub struct DegradedPool {
     pub rule: crate::pool_state::PoolRule,
-    pub spill_to: Option<String>,
     pub shed_classes: Vec<String>,
     /// The Envoy cluster of the pool's HTTP front, for the state probe (`pool_NAME` in plain
     /// Envoy, `outbound|PORT||HOST` in Istio); `None`: learned from traffic only.
@@ -565,13 +569,11 @@ fn degraded_routing(d: RawDegraded, classes: &BTreeMap<String, (String, String)>
     for (name, p) in &d.pools {
         let f = format!("{at}.pools.{name}");
         check_token(&f, name)?;
+        if p.spill_to.is_some() {
+            return Err(err(format!("{f}.spill_to"), "spill is Envoy's health-check failover now (remove the field)"));
+        }
         if !(1..=crate::pool_state::LEVEL_DOWN).contains(&p.at_level) {
             return Err(err(format!("{f}.at_level"), "must be between 1 and 4"));
-        }
-        if let Some(to) = &p.spill_to {
-            if to == name || !d.pools.contains_key(to) {
-                return Err(err(format!("{f}.spill_to"), format!("`{to}` must be another of the pools of degraded_routing")));
-            }
         }
         for (i, c) in p.shed_classes.iter().enumerate() {
             if !classes.contains_key(c) {
@@ -586,7 +588,7 @@ fn degraded_routing(d: RawDegraded, classes: &BTreeMap<String, (String, String)>
         let rule = crate::pool_state::PoolRule { at_level: p.at_level, stale_after_ms: stale, recover_hold_ms: hold };
         pools.insert(
             name.clone(),
-            DegradedPool { rule, spill_to: p.spill_to.clone(), shed_classes: p.shed_classes.clone(), probe_cluster: p.probe_cluster.clone() },
+            DegradedPool { rule, shed_classes: p.shed_classes.clone(), probe_cluster: p.probe_cluster.clone() },
         );
     }
     Ok(DegradedRouting { pools, probe_interval_ms: interval, probe_timeout_ms: timeout, retry_after_s })
@@ -688,7 +690,7 @@ mod tests {
     #[test]
     fn degraded_routing_is_checked_naming_the_field() {
         let with = |d: &str| GOOD.replace("\"emit_objective_header\": true", &format!("\"emit_objective_header\": true, \"degraded_routing\": {d}"));
-        let ok = FilterConfig::parse(with(r#"{"pools": {"gpu-a": {"at_level": 3, "spill_to": "gpu-b", "shed_classes": ["batch"],
+        let ok = FilterConfig::parse(with(r#"{"pools": {"gpu-a": {"at_level": 3, "shed_classes": ["batch"],
             "probe_cluster": "outbound|8000||gpu-a.infermesh.svc.cluster.local"}, "gpu-b": {}}, "probe_interval_ms": 250}"#).as_bytes()).unwrap();
         let d = ok.degraded.unwrap();
         assert_eq!((d.probe_interval_ms, d.probe_timeout_ms, d.retry_after_s), (250, DEFAULT_PROBE_TIMEOUT_MS, DEFAULT_RETRY_AFTER_S));
@@ -696,8 +698,13 @@ mod tests {
         assert_eq!(d.pools["gpu-b"].probe_cluster, None);
         assert!(FilterConfig::parse(GOOD.as_bytes()).unwrap().degraded.is_none());
         let bad = |d: &str| parse_err(&with(d)).field;
-        assert_eq!(bad(r#"{"pools": {"gpu-a": {"spill_to": "gpu-a"}}}"#), "degraded_routing.pools.gpu-a.spill_to");
-        assert_eq!(bad(r#"{"pools": {"gpu-a": {"spill_to": "nope"}}}"#), "degraded_routing.pools.gpu-a.spill_to");
+        // Spill is Envoy's (health check + priority failover): a config that still asks the
+        // filter for it is refused by name, whatever the value.
+        for v in [r#""gpu-b""#, r#""gpu-a""#, r#""nope""#, "null", "3"] {
+            let e = parse_err(&with(&format!(r#"{{"pools": {{"gpu-a": {{"at_level": 3, "spill_to": {v}, "shed_classes": ["batch"]}}, "gpu-b": {{}}}}}}"#)));
+            assert_eq!(e.field, "degraded_routing.pools.gpu-a.spill_to", "{v}: {e}");
+            assert_eq!(e.message, "spill is Envoy's health-check failover now (remove the field)");
+        }
         assert_eq!(bad(r#"{"pools": {"gpu-a": {"shed_classes": ["batch", "x"]}}}"#), "degraded_routing.pools.gpu-a.shed_classes[1]");
         assert_eq!(bad(r#"{"pools": {"gpu-a": {"at_level": 0}}}"#), "degraded_routing.pools.gpu-a.at_level");
         assert_eq!(bad(r#"{"pools": {"gpu-a": {"at_level": 5}}}"#), "degraded_routing.pools.gpu-a.at_level");

@@ -18,8 +18,7 @@
 use crate::body::parse_body_segments;
 use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE, TRUSTED_RULE};
 use crate::config::{
-    DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, HEADER_SPILLED_FROM,
-    INTERNAL_HEADER_PREFIX,
+    DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX,
 };
 use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError, Verdict, HEADER_POOL_LEVEL};
 use std::collections::{BTreeMap, HashMap};
@@ -86,7 +85,6 @@ pub struct Metrics {
     /// configured pools; anything else is counted under `trusted_other`).
     pub trusted: HashMap<(String, String), CounterId>,
     pub trusted_other: CounterId,
-    pub spilled: HashMap<String, CounterId>,
     pub shed: HashMap<String, CounterId>,
     pub state_errors: [CounterId; 5],
 }
@@ -116,12 +114,9 @@ impl Metrics {
             }
             trusted_other = define(&format!("infermesh.requests_total.class.other.pool.other.rule.{TRUSTED_RULE}"));
         }
-        let (mut spilled, mut shed, mut state_errors) = (HashMap::new(), HashMap::new(), [None; 5]);
+        let (mut shed, mut state_errors) = (HashMap::new(), [None; 5]);
         if let Some(d) = &config.degraded {
-            for (name, p) in &d.pools {
-                if p.spill_to.is_some() {
-                    spilled.insert(name.clone(), define(&format!("infermesh.spilled_requests_total.pool.{name}")));
-                }
+            for p in d.pools.values() {
                 for c in &p.shed_classes {
                     if !shed.contains_key(c) {
                         shed.insert(c.clone(), define(&format!("infermesh.shed_requests_total.class.{c}")));
@@ -132,7 +127,7 @@ impl Metrics {
                 *slot = define(&format!("infermesh.pool_state_errors_total.reason.{reason}"));
             }
         }
-        Metrics { decisions, fallbacks, stripped: define("infermesh.stripped_requests_total"), trusted, trusted_other, spilled, shed, state_errors }
+        Metrics { decisions, fallbacks, stripped: define("infermesh.stripped_requests_total"), trusted, trusted_other, shed, state_errors }
     }
 }
 
@@ -371,6 +366,9 @@ impl Stream {
     }
 
     /// The replica's level is for the mesh only: read into the state table, never passed on.
+    /// Every sidecar sends it, but the table keeps only the pools that shed: a response's
+    /// reading of another pool (one that sheds nothing, or the failover pool that served a
+    /// spilled request) is dropped, not counted as `unknown_pool` (a probe's still is).
     pub fn on_response_headers<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H) {
         let value = match &cfg.filter.degraded {
             Some(_) => host.response_header(HEADER_POOL_LEVEL),
@@ -378,8 +376,9 @@ impl Stream {
         };
         host.remove_response_header(HEADER_POOL_LEVEL);
         if let (Some(d), Some(v)) = (&cfg.filter.degraded, value) {
-            if let Err(e) = cfg.pools.report(d, &v, now_ms()) {
-                host.count(cfg.metrics.state_errors[e as usize]);
+            match cfg.pools.report(d, &v, now_ms()) {
+                Ok(()) | Err(StateError::UnknownPool) => {}
+                Err(e) => host.count(cfg.metrics.state_errors[e as usize]),
             }
         }
     }
@@ -416,16 +415,10 @@ impl Stream {
     fn write<H: Host>(&mut self, cfg: &ModuleConfig, host: &mut H, d: &Decision, generates: bool) -> Next {
         let config = &cfg.filter;
         let m = &cfg.metrics;
-        let mut pool = d.pool;
         if let Some(dr) = &config.degraded {
             let now = now_ms();
-            match dr.verdict(d.class, d.pool, generates, &mut |p| cfg.pools.is_degraded(dr, p, now)) {
+            match dr.verdict(d.class, generates, &mut |p| cfg.pools.is_degraded(dr, p, now)) {
                 Verdict::Normal => {}
-                Verdict::Spill(to) => {
-                    pool = to;
-                    host.count(m.spilled.get(d.pool).copied().flatten());
-                    self.put(host, HEADER_SPILLED_FROM, d.pool);
-                }
                 Verdict::Shed => {
                     count_decision(m, host, d);
                     host.count(m.shed.get(d.class).copied().flatten());
@@ -434,7 +427,7 @@ impl Stream {
                 }
             }
         }
-        let headers = [(HEADER_CLASS, d.class), (HEADER_POOL, pool), (HEADER_RULE, d.rule), (HEADER_OBJECTIVE, d.objective)];
+        let headers = [(HEADER_CLASS, d.class), (HEADER_POOL, d.pool), (HEADER_RULE, d.rule), (HEADER_OBJECTIVE, d.objective)];
         let n = if config.emit_objective_header { 4 } else { 3 };
         for (name, value) in headers.iter().take(n) {
             self.put(host, name, value);
@@ -492,8 +485,8 @@ pub fn probe_answer(d: &DegradedRouting, table: &PoolTable, status: Option<&str>
     match status {
         None => Err(StateError::ProbeFailed),
         Some("200") => match level {
-            // The reading is the pool the header names: with failover endpoints at priority 1,
-            // the probe of a pool whose own sidecars are all gone lands on its spill pool.
+            // The reading is the pool the header names: a probe cluster with failover endpoints
+            // at priority 1 answers from the failover pool once the pool's own are all gone.
             Some(v) => table.report(d, v, now),
             None => Err(StateError::BadHeader),
         },

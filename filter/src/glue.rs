@@ -9,13 +9,13 @@
 //! `pool_state.rs` lives in proxy-wasm shared data, one record per pool, written with CAS by
 //! every worker; it is fed by the `x-infermesh-pool-level` header of upstream responses (stripped
 //! in the response callback, and read on one response per pool every SAMPLE_MS) and by a probe of each pool's state endpoint on the
-//! root context's timer. After the decision, `when_degraded` sheds or spills the request.
+//! root context's timer. After the decision, `when_degraded` sheds the request (spilling a degraded
+//! pool elsewhere is Envoy's: the health check of the sidecars' state endpoint and priority failover).
 
 use crate::body::parse_body;
 use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE, TRUSTED_RULE};
 use crate::config::{
-    DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, HEADER_SPILLED_FROM,
-    INTERNAL_HEADER_PREFIX,
+    DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX,
 };
 use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError, RecentWrites, ResponseSampler, Verdict, HEADER_POOL_LEVEL};
 use proxy_wasm::hostcalls;
@@ -79,8 +79,6 @@ struct Metrics {
     stripped: Option<u32>,
     /// Decisions kept from trusted sources, by (class, pool): rare, defined on first use.
     trusted: RefCell<HashMap<(String, String), Option<u32>>>,
-    /// Degraded-mode routing: requests spilled, by the pool they were bound for.
-    spilled: HashMap<String, Option<u32>>,
     /// Requests shed at the edge, by class.
     shed: HashMap<String, Option<u32>>,
     /// Readings not used and probes that failed, by reason (`STATE_ERRORS`).
@@ -92,7 +90,8 @@ struct Metrics {
 enum StateError {
     /// A response's or probe's `x-infermesh-pool-level` is not `POOL;LEVEL;REPLICA`.
     BadHeader = 0,
-    /// It names a pool the config keeps no state for.
+    /// A probe's reading names a pool the config keeps no state for (a response's is dropped:
+    /// every sidecar sends one, and only the pools that shed are kept).
     UnknownPool,
     /// The probe got no response (reset, no connection); a timeout comes back as Envoy's 504.
     ProbeFailed,
@@ -138,14 +137,10 @@ impl Metrics {
         for (slot, f) in fallbacks.iter_mut().zip(Fallback::ALL) {
             *slot = counter(&format!("infermesh.body_fallbacks_total.reason.{}", f.as_str()));
         }
-        let mut spilled = HashMap::new();
         let mut shed = HashMap::new();
         let mut state_errors = [None; 6];
         if let Some(d) = &config.degraded {
-            for (name, p) in &d.pools {
-                if p.spill_to.is_some() {
-                    spilled.insert(name.clone(), counter(&format!("infermesh.spilled_requests_total.pool.{name}")));
-                }
+            for p in d.pools.values() {
                 for c in &p.shed_classes {
                     shed.entry(c.clone()).or_insert_with(|| counter(&format!("infermesh.shed_requests_total.class.{c}")));
                 }
@@ -159,7 +154,6 @@ impl Metrics {
             fallbacks,
             stripped: counter("infermesh.stripped_requests_total"),
             trusted: RefCell::new(HashMap::new()),
-            spilled,
             shed,
             state_errors,
         }
@@ -251,8 +245,11 @@ impl PoolStates {
         degraded
     }
 
-    /// One `x-infermesh-pool-level` value, from a response or a probe.
-    fn report(&self, cfg: &DegradedRouting, metrics: &Metrics, value: &str, now: u64) {
+    /// One `x-infermesh-pool-level` value, from a response or a probe. Every sidecar sends it,
+    /// but the table keeps only the pools that shed: a response's reading of another pool (one
+    /// that sheds nothing, or the failover pool that served a spilled request) is dropped, a
+    /// probe's is counted as `unknown_pool`.
+    fn report(&self, cfg: &DegradedRouting, metrics: &Metrics, value: &str, now: u64, from_probe: bool) {
         if self.written.borrow().fresh(value, now, REWRITE_MS) {
             return;
         }
@@ -262,7 +259,8 @@ impl PoolStates {
         };
         let p = match cfg.pools.get(r.pool) {
             Some(p) => p,
-            None => return metrics.state_error(StateError::UnknownPool),
+            None if from_probe => return metrics.state_error(StateError::UnknownPool),
+            None => return,
         };
         for _ in 0..CAS_TRIES {
             let (mut rec, cas) = Self::read(metrics, r.pool);
@@ -353,10 +351,10 @@ impl Context for Root {
         if self.get_http_call_response_header(":status").as_deref() != Some("200") {
             return self.metrics.state_error(StateError::ProbeStatus);
         }
-        // The reading is the pool the header names: with failover endpoints at priority 1, the
-        // probe of a pool whose own sidecars are all gone lands on its spill pool.
+        // The reading is the pool the header names: a probe cluster with failover endpoints at
+        // priority 1 answers from the failover pool once the pool's own sidecars are all gone.
         match self.get_http_call_response_header(HEADER_POOL_LEVEL) {
-            Some(v) => self.states.report(d, &self.metrics, &v, now_ms()),
+            Some(v) => self.states.report(d, &self.metrics, &v, now_ms(), true),
             None => self.metrics.state_error(StateError::BadHeader),
         }
     }
@@ -458,7 +456,8 @@ struct Request {
     /// partial decision); when not, the decision's headers are added without a lookup each.
     internal_in_request: bool,
     /// Whether the response's level header is read (degraded routing samples responses per
-    /// pool; a request not routed by `write`, e.g. a trusted peer's, is always read).
+    /// pool, and only of the pools it keeps state for: the others' sidecars send the header too;
+    /// a request not routed by `write`, e.g. a trusted peer's, is always read).
     read_level: Cell<bool>,
 }
 
@@ -499,18 +498,14 @@ impl Request {
             self.metrics.decision(d);
             return Action::Continue;
         }
-        let mut pool = d.pool;
         if let Some(dr) = &config.degraded {
             let generates = costs_generation(self.headers.get(":method").unwrap_or(""), self.headers.get(":path").unwrap_or(""));
             let now = now_ms();
-            let verdict = dr.verdict(d.class, d.pool, generates, &mut |p| self.states.is_degraded(dr, &self.metrics, p, now));
+            let verdict = dr.verdict(d.class, generates, &mut |p| self.states.is_degraded(dr, &self.metrics, p, now));
             match verdict {
-                Verdict::Normal => self.read_level.set(self.states.sampled.borrow_mut().due(pool, now, SAMPLE_MS)),
-                Verdict::Spill(to) => {
-                    self.read_level.set(self.states.sampled.borrow_mut().due(to, now, SAMPLE_MS));
-                    pool = to;
-                    bump(self.metrics.spilled.get(d.pool).copied().flatten());
-                    self.set_http_request_header(HEADER_SPILLED_FROM, Some(d.pool));
+                Verdict::Normal => {
+                    let kept = dr.pools.contains_key(d.pool);
+                    self.read_level.set(kept && self.states.sampled.borrow_mut().due(d.pool, now, SAMPLE_MS));
                 }
                 Verdict::Shed => {
                     self.metrics.decision(d);
@@ -520,7 +515,7 @@ impl Request {
                 }
             }
         }
-        let headers = [(HEADER_CLASS, d.class), (HEADER_POOL, pool), (HEADER_RULE, d.rule), (HEADER_OBJECTIVE, d.objective)];
+        let headers = [(HEADER_CLASS, d.class), (HEADER_POOL, d.pool), (HEADER_RULE, d.rule), (HEADER_OBJECTIVE, d.objective)];
         let n = if config.emit_objective_header { 4 } else { 3 };
         for (name, value) in headers.iter().take(n) {
             if self.internal_in_request {
@@ -690,7 +685,7 @@ impl HttpContext for Request {
                     self.set_http_response_header(HEADER_POOL_LEVEL, None);
                 } else if let Some(value) = self.get_http_response_header(HEADER_POOL_LEVEL) {
                     self.set_http_response_header(HEADER_POOL_LEVEL, None);
-                    self.states.report(d, &self.metrics, &value, now_ms());
+                    self.states.report(d, &self.metrics, &value, now_ms(), false);
                 }
             }
             None => self.set_http_response_header(HEADER_POOL_LEVEL, None),

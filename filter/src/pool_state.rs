@@ -217,22 +217,22 @@ impl ResponseSampler {
     }
 }
 
-/// What `when_degraded` does to one request, given which pools are degraded.
+/// What `when_degraded` does to one request, given which pools are degraded. Spilling a
+/// degraded pool's traffic elsewhere is not the filter's: Envoy's health check of the sidecars'
+/// state endpoint fails from `at_level` on and the pool's cluster fails over to its priority-1
+/// endpoints.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict<'a> {
+pub enum Verdict {
     Normal,
-    /// Send it to this pool instead of the class's own.
-    Spill(&'a str),
     /// Answer it at the edge with 429 + Retry-After.
     Shed,
 }
 
 impl crate::config::DegradedRouting {
-    /// `when_degraded` for a request of `class` bound for `pool`: shed when a degraded pool lists
-    /// the class in its `shed_classes` (and the request generates), else spill to the pool's
-    /// `spill_to` while it is degraded and its spill pool is not. As the control plane's overlay
-    /// did (`Policy.degraded_overlay`), now per request.
-    pub fn verdict<'a>(&'a self, class: &str, pool: &str, generates: bool, degraded: &mut dyn FnMut(&str) -> bool) -> Verdict<'a> {
+    /// `when_degraded` for a request of `class`: shed when a degraded pool lists the class in its
+    /// `shed_classes` (and the request generates), else route it normally. As the control
+    /// plane's overlay did (`Policy.degraded_overlay`), now per request.
+    pub fn verdict(&self, class: &str, generates: bool, degraded: &mut dyn FnMut(&str) -> bool) -> Verdict {
         if generates {
             for (name, p) in &self.pools {
                 if p.shed_classes.iter().any(|c| c == class) && degraded(name) {
@@ -240,13 +240,7 @@ impl crate::config::DegradedRouting {
                 }
             }
         }
-        match self.pools.get(pool) {
-            Some(p) => match &p.spill_to {
-                Some(to) if degraded(pool) && !degraded(to) => Verdict::Spill(to),
-                _ => Verdict::Normal,
-            },
-            None => Verdict::Normal,
-        }
+        Verdict::Normal
     }
 }
 
@@ -395,22 +389,27 @@ mod tests {
     #[test]
     fn the_verdict_follows_when_degraded() {
         let cfg = crate::config::FilterConfig::parse(br#"{"version": 1, "default_class": "batch",
-            "classes": {"interactive": {"pool": "gpu"}, "batch": {"pool": "cheap"}},
+            "classes": {"interactive": {"pool": "gpu"}, "batch": {"pool": "cheap"}, "eval": {"pool": "cheap"}},
             "degraded_routing": {"pools": {
-                "gpu": {"at_level": 3, "spill_to": "cheap", "shed_classes": ["batch"], "probe_cluster": "pool_gpu"},
-                "cheap": {}}}}"#).unwrap();
+                "gpu": {"at_level": 3, "shed_classes": ["batch"], "probe_cluster": "pool_gpu_state"},
+                "cheap": {"shed_classes": ["eval"]}}}}"#).unwrap();
         let d = cfg.degraded.as_ref().unwrap();
-        assert_eq!(d.pools["cheap"].rule.at_level, LEVEL_DOWN, "a pool without when_degraded: only a pool that is not serving");
+        assert_eq!(d.pools["cheap"].rule.at_level, LEVEL_DOWN, "no at_level: only a pool that is not serving");
         let none = |_: &str| false;
-        assert_eq!(d.verdict("interactive", "gpu", true, &mut { none }), Verdict::Normal);
+        assert_eq!(d.verdict("batch", true, &mut { none }), Verdict::Normal);
         let gpu = |p: &str| p == "gpu";
-        assert_eq!(d.verdict("interactive", "gpu", true, &mut { gpu }), Verdict::Spill("cheap"));
-        assert_eq!(d.verdict("batch", "cheap", true, &mut { gpu }), Verdict::Shed);
-        assert_eq!(d.verdict("batch", "cheap", false, &mut { gpu }), Verdict::Normal, "GET /v1/models is never shed");
-        let both = |_: &str| true;
-        assert_eq!(d.verdict("interactive", "gpu", true, &mut { both }), Verdict::Normal, "no spill onto a degraded pool");
+        assert_eq!(d.verdict("interactive", true, &mut { gpu }), Verdict::Normal, "the degraded pool's own class: Envoy's failover, not the filter's");
+        assert_eq!(d.verdict("batch", true, &mut { gpu }), Verdict::Shed, "gpu sheds batch, wherever batch is bound");
+        assert_eq!(d.verdict("batch", false, &mut { gpu }), Verdict::Normal, "GET /v1/models is never shed");
+        assert_eq!(d.verdict("eval", true, &mut { gpu }), Verdict::Normal, "cheap sheds eval, and cheap is fine");
         let cheap = |p: &str| p == "cheap";
-        assert_eq!(d.verdict("batch", "cheap", true, &mut { cheap }), Verdict::Normal, "cheap sheds nothing and spills nowhere");
+        assert_eq!(d.verdict("eval", true, &mut { cheap }), Verdict::Shed);
+        assert_eq!(d.verdict("batch", true, &mut { cheap }), Verdict::Normal);
+        let both = |_: &str| true;
+        for c in ["batch", "eval"] {
+            assert_eq!(d.verdict(c, true, &mut { both }), Verdict::Shed, "{c}");
+        }
+        assert_eq!(d.verdict("interactive", true, &mut { both }), Verdict::Normal, "no pool sheds interactive");
     }
 
     #[test]

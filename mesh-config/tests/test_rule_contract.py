@@ -10,6 +10,10 @@ filter's are `rules[0].match.path`, `body.max_bytes`; `filter_path()` below is t
 maps one onto the other. For the errors serde reports (unknown or missing fields, wrong types)
 the filter's field is `$` with a position, and check_config names the field at that position
 (its `at`); their wording is serde's and pydantic's, not compared.
+
+Spill (`when_degraded.spill_to`) is not the filter's: Envoy's health check of the sidecars' state
+endpoint and priority failover do it, so the filter config never carries it (only the pools that
+shed are in `degraded_routing`) and the filter refuses a config that still does (FILTER_ONLY).
 """
 
 from __future__ import annotations
@@ -199,10 +203,15 @@ OTHER_VALID = {
                       "filter": {"pool_state": {"probe_interval_ms": 50, "probe_timeout_ms": 60000, "stale_after_ms": 100,
                                                 "recover_hold_ms": 0, "retry_after_s": 3600}}},
     "when-degraded-defaults": {"when_degraded": {"batch": {}}},
-    "when-degraded-both": {"when_degraded": {"batch": {"spill_to": "interactive"}, "interactive": {"at_level": 1, "spill_to": "batch"}}},
+    "when-degraded-shed-only": {"when_degraded": {"batch": {"shed_classes": ["batch"]}}},
+    "when-degraded-spill-only": {"when_degraded": {"interactive": {"at_level": 1, "spill_to": "batch"}}},
+    "when-degraded-both": {"when_degraded": {"batch": {"spill_to": "interactive", "shed_classes": ["interactive"]},
+                                             "interactive": {"at_level": 1, "spill_to": "batch", "shed_classes": ["batch"]}}},
+    "when-degraded-both-spill": {"when_degraded": {"batch": {"spill_to": "interactive"}, "interactive": {"at_level": 1, "spill_to": "batch"}}},
 }
-# when_degraded in the policy, degraded_routing in the filter config (Policy.degraded_routing).
-WD = {"when_degraded": {"interactive": {"spill_to": "batch"}}}
+# when_degraded in the policy, degraded_routing in the filter config (Policy.degraded_routing): a
+# pool that sheds, so that the filter config has degraded_routing (and its pool_state bounds).
+WD = {"when_degraded": {"interactive": {"spill_to": "batch", "shed_classes": ["batch"]}}}
 OTHER_INVALID = {
     "body-limit-zero": ({"filter": {"body_max_bytes": 0}}, "filter.body_max_bytes"),
     "body-limit-over": ({"filter": {"body_max_bytes": 983041}}, "filter.body_max_bytes"),
@@ -223,15 +232,44 @@ OTHER_INVALID = {
                               "classes.interactive.objective"),
     "class-unknown-field": ({"classes": {"interactive": {"pool": "interactive", "pol": "x"}, "batch": {"pool": "batch"}}}, "classes.interactive.pol"),
     "default-class": ({"default_class": "nope"}, "default_class"),
-    "when-degraded-spill-self": ({"when_degraded": {"interactive": {"spill_to": "interactive"}}}, "pools.interactive.when_degraded.spill_to"),
     "when-degraded-shed-unknown": ({"when_degraded": {"batch": {"shed_classes": ["batch", "nope"]}}}, "pools.batch.when_degraded.shed_classes.1"),
-    "when-degraded-level-zero": ({"when_degraded": {"batch": {"at_level": 0}}}, "pools.batch.when_degraded.at_level"),
+    "when-degraded-level-zero": ({"when_degraded": {"batch": {"at_level": 0, "shed_classes": ["batch"]}}}, "pools.batch.when_degraded.at_level"),
     "pool-state-interval": (WD | {"filter": {"pool_state": {"probe_interval_ms": 49}}}, "filter.pool_state.probe_interval_ms"),
     "pool-state-interval-over": (WD | {"filter": {"pool_state": {"probe_interval_ms": 60001}}}, "filter.pool_state.probe_interval_ms"),
     "pool-state-timeout": (WD | {"filter": {"pool_state": {"probe_timeout_ms": 9}}}, "filter.pool_state.probe_timeout_ms"),
     "pool-state-stale": (WD | {"filter": {"pool_state": {"stale_after_ms": 99}}}, "filter.pool_state.stale_after_ms"),
     "pool-state-hold": (WD | {"filter": {"pool_state": {"recover_hold_ms": 3600001}}}, "filter.pool_state.recover_hold_ms"),
     "pool-state-retry-after": (WD | {"filter": {"pool_state": {"retry_after_s": 0}}}, "filter.pool_state.retry_after_s"),
+}
+
+# The policy refuses these; what it refuses never reaches the filter (spill_to is Envoy's failover,
+# not part of the filter config), so the filter, given what the policy would write, accepts.
+POLICY_ONLY = {
+    "when-degraded-spill-self": ({"when_degraded": {"interactive": {"spill_to": "interactive", "shed_classes": ["batch"]}}},
+                                 "pools.interactive.when_degraded.spill_to"),
+    "when-degraded-spill-unknown": ({"when_degraded": {"interactive": {"spill_to": "gpu"}}}, "pools.interactive.when_degraded.spill_to"),
+}
+
+
+def _with_degraded(pool: dict) -> str:
+    """A filter config (as filter_json writes it) whose degraded_routing pool `interactive` is `pool`."""
+    cfg = json.loads(filter_json(WD))
+    cfg["degraded_routing"]["pools"]["interactive"] = pool
+    return json.dumps(cfg)
+
+
+# Filter configs the policy never writes, given to the filter as they are: (config, the filter's
+# field of the refusal or None, the message). An old config that asks the filter to spill is
+# refused by name, whatever the value.
+FILTER_ONLY = {
+    "spill-to": (lambda: _with_degraded({"at_level": 3, "spill_to": "batch", "shed_classes": ["batch"], "probe_cluster": "pool_interactive"}),
+                 "degraded_routing.pools.interactive.spill_to", "spill is Envoy's health-check failover now (remove the field)"),
+    "spill-to-null": (lambda: _with_degraded({"spill_to": None}),
+                      "degraded_routing.pools.interactive.spill_to", "spill is Envoy's health-check failover now (remove the field)"),
+    "spill-to-self": (lambda: _with_degraded({"spill_to": "interactive", "shed_classes": ["batch"]}),
+                      "degraded_routing.pools.interactive.spill_to", "spill is Envoy's health-check failover now (remove the field)"),
+    # A pool that sheds nothing is still a pool the filter can keep state for (at LEVEL_DOWN).
+    "no-shed": (lambda: _with_degraded({}), None, None),
 }
 
 # Regex syntax (filter_regex.py against the `regex` crate): (pattern, accepted?).
@@ -267,6 +305,7 @@ def corpus() -> list[tuple[str, dict, bool, str | None]]:
     out += [(f"regex-{i}", {"rules": rule(path={"regex": p})}, ok, None if ok else "rules.0.match.path.regex")
             for i, (p, ok) in enumerate(REGEXES)]
     out += [(f"stricter-{k}", {"rules": v}, True, f) for k, (v, f) in STRICTER.items()]
+    out += [(f"policy-only-{k}", v, True, f) for k, (v, f) in POLICY_ONLY.items()]
     return out
 
 
@@ -297,14 +336,12 @@ def filter_json(case: dict) -> str:
     }
     if f.get("trusted_cidrs") or f.get("trusted_principals"):
         cfg["trusted_sources"] = {"cidrs": f.get("trusted_cidrs", []), "principals": f.get("trusted_principals", [])}
-    if wds := case.get("when_degraded"):
-        targets = {wd["spill_to"] for wd in wds.values() if "spill_to" in wd}
-        pools = {}
-        for n in ("interactive", "batch"):
-            if n in wds or n in targets:
-                wd = wds.get(n, {})
-                pools[n] = {"at_level": wd.get("at_level", 3) if n in wds else 4, "probe_cluster": f"pool_{n}"}
-                pools[n] |= {k: wd[k] for k in ("spill_to", "shed_classes") if k in wd}
+    # Only the pools that shed, without spill_to (Envoy's failover); a pool that spills is probed
+    # through its state cluster (its own endpoints, no failover), envoy_resources.state_cluster_name.
+    shedding = {n: wd for n, wd in case.get("when_degraded", {}).items() if wd.get("shed_classes")}
+    if shedding:
+        pools = {n: {"at_level": wd.get("at_level", 3), "shed_classes": wd["shed_classes"],
+                     "probe_cluster": f"pool_{n}_state" if wd.get("spill_to") else f"pool_{n}"} for n, wd in shedding.items()}
         cfg["degraded_routing"] = {"pools": pools, "probe_interval_ms": 500, "probe_timeout_ms": 400, "stale_after_ms": 5000,
                                    "recover_hold_ms": 1000, "retry_after_s": 5} | f.get("pool_state", {})
     return json.dumps(cfg)
@@ -345,13 +382,13 @@ def filter_verdicts() -> dict[str, dict]:
     cargo = _cargo()
     if cargo is None:
         pytest.skip("no cargo: the filter's parser cannot be built here")
-    cases = corpus()
+    docs = [(cid, filter_json(c)) for cid, c, _, _ in corpus()] + [(f"filter-only-{k}", v[0]()) for k, v in FILTER_ONLY.items()]
     r = subprocess.run([cargo, "run", "--release", "--quiet", "--example", "check_config"], cwd=FILTER,
-                       input="".join(filter_json(c) + "\n" for _, c, _, _ in cases), capture_output=True, text=True, timeout=1200)
+                       input="".join(doc + "\n" for _, doc in docs), capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
-    assert len(lines) == len(cases), r.stderr[-3000:]
-    return {cid: json.loads(line) for (cid, _, _, _), line in zip(cases, lines)}
+    assert len(lines) == len(docs), r.stderr[-3000:]
+    return {cid: json.loads(line) for (cid, _), line in zip(docs, lines)}
 
 
 def _same_message(policy_msg: str, filter_msg: str) -> bool:
@@ -365,7 +402,7 @@ def test_policy_and_filter_agree(filter_verdicts, cid, case, accepted, field):
     ours = policy_verdict(case)
     theirs = filter_verdicts[cid]
     assert theirs["ok"] is accepted, f"the corpus expects the filter to {'accept' if accepted else 'refuse'} it: {theirs}"
-    if cid.startswith("stricter-"):
+    if cid.startswith(("stricter-", "policy-only-")):
         assert ours[:2] == (False, field), ours
         return
     assert ours[0] is accepted, f"policy: {ours}"
@@ -377,6 +414,29 @@ def test_policy_and_filter_agree(filter_verdicts, cid, case, accepted, field):
     # filter checks what the policy generated, in its own words).
     if theirs["field"] != "$" and not cid.startswith(("version", "class", "default-class", "when-degraded")):
         assert _same_message(ours[2], theirs["message"]), f"policy: {ours[2]!r}, filter: {theirs['message']!r}"
+
+
+@pytest.mark.parametrize("name", FILTER_ONLY)
+def test_the_filter_refuses_what_the_policy_no_longer_writes(filter_verdicts, name):
+    _, field, message = FILTER_ONLY[name]
+    theirs = filter_verdicts[f"filter-only-{name}"]
+    if field is None:
+        assert theirs == {"ok": True}, theirs
+    else:
+        assert theirs == {"ok": False, "field": field, "message": message, "at": field}, theirs
+
+
+@pytest.mark.parametrize("cid", [k for k, v in OTHER_VALID.items() if "when_degraded" in v] + list(POLICY_ONLY))
+def test_filter_json_is_what_the_policy_writes(cid):
+    """filter_json's degraded_routing is Policy.degraded_routing's (for a policy that parses): the
+    corpus gives the filter what the policy would."""
+    case = OTHER_VALID.get(cid) or POLICY_ONLY[cid][0]
+    ours = json.loads(filter_json(case)).get("degraded_routing")
+    if cid in POLICY_ONLY:
+        assert ours is None or "spill_to" not in json.dumps(ours)
+        return
+    assert parse_policy(policy_text(case), "contract.yaml").filter_config().get("degraded_routing") == ours
+    assert "spill_to" not in json.dumps(ours)
 
 
 # Each check of config.rs (FilterConfig::parse, string_match, check_range, check_token, Cidr::parse)
@@ -414,13 +474,13 @@ BRANCHES = {
     "degraded_routing bounds": ["pool-state-interval", "pool-state-interval-over", "pool-state-timeout", "pool-state-stale",
                                 "pool-state-hold", "pool-state-retry-after"],
     "degraded_routing.pools.P.at_level": ["when-degraded-level-zero"],
-    "degraded_routing.pools.P.spill_to": ["when-degraded-spill-self"],
+    "degraded_routing.pools.P.spill_to": ["filter-only-spill-to", "filter-only-spill-to-null", "filter-only-spill-to-self"],
     "degraded_routing.pools.P.shed_classes[i]": ["when-degraded-shed-unknown"],
 }
 
 
 def test_corpus_covers_every_check_of_the_filters_parser():
-    ids = {c[0] for c in corpus()}
+    ids = {c[0] for c in corpus()} | {f"filter-only-{k}" for k in FILTER_ONLY}
     assert not {i for cases in BRANCHES.values() for i in cases} - ids
     src = (FILTER / "src" / "config.rs").read_text()
     parse = src[src.index("fn string_match("):src.index("#[cfg(test)]")]
@@ -443,9 +503,10 @@ def test_the_policy_words_the_filters_checks_as_the_filter():
     # The policy words these two as the rest of its own checks (pydantic's bounds of version, classes).
     own = {"unsupported version {} (this filter understands {})", "at least one class is required",
            # degraded_routing is generated from a checked when_degraded: the policy words those
-           # checks as its other references (a spill_to pool, a level 1-3); the probe cluster
-           # names come from the assembly (envoy_resources, the chart), not from the policy.
-           "`{to}` must be another of the pools of degraded_routing", "must be between 1 and 4",
+           # checks as its other references (a level 1-3); the probe cluster names come from the
+           # assembly (envoy_resources, the chart), not from the policy; spill_to is refused
+           # because the policy never writes it (Envoy's failover spills).
+           "spill is Envoy's health-check failover now (remove the field)", "must be between 1 and 4",
            "must be a cluster name (1-256 visible ASCII characters)"}
     assert len(messages) >= 14, messages
     missing = sorted(m for m in messages if norm(m) not in norm(ours) and m not in own)

@@ -98,7 +98,7 @@ const CONFIG: &str = r#"{
   "trusted_sources": {"cidrs": ["10.8.0.0/16"]},
   "degraded_routing": {
     "pools": {
-      "interactive": {"at_level": 3, "spill_to": "batch", "shed_classes": ["batch"], "probe_cluster": "pool_interactive"},
+      "interactive": {"at_level": 3, "shed_classes": ["batch"], "probe_cluster": "pool_interactive"},
       "batch": {"at_level": 4, "probe_cluster": "pool_batch"}
     },
     "probe_interval_ms": 500, "probe_timeout_ms": 400, "stale_after_ms": 5000, "recover_hold_ms": 1000, "retry_after_s": 7
@@ -272,21 +272,31 @@ fn the_level_header_is_read_into_the_table_and_never_passed_on() {
     assert!(!cfg.pools.is_degraded(d, "batch", now_ms()));
     let bad = report(&cfg, "garbage");
     assert_eq!(counted(&bad, &names), ["infermesh.pool_state_errors_total.reason.bad_header"]);
+    // Every sidecar sends its level, but only the pools that shed are kept: a response's reading
+    // of another pool (one that sheds nothing, the failover pool of a spilled request) is only
+    // removed; a probe's answer naming one is an error.
     let unknown = report(&cfg, "nosuch;1;r1");
-    assert_eq!(counted(&unknown, &names), ["infermesh.pool_state_errors_total.reason.unknown_pool"]);
+    assert_eq!(unknown.response, [("server".to_string(), "x".to_string())]);
+    assert_eq!(counted(&unknown, &names), Vec::<String>::new());
+    assert_eq!(probe_answer(d, &cfg.pools, Some("200"), Some("nosuch;1;r1"), now_ms()), Err(StateError::UnknownPool));
 }
 
 #[test]
-fn a_degraded_pools_class_spills_and_the_shed_class_gets_429() {
+fn a_degraded_pools_own_class_is_routed_as_decided_and_the_shed_class_gets_429() {
     let (cfg, names) = module();
     report(&cfg, "interactive;3;r1");
     let mut chat_req = chat(b"{}");
     chat_req.body.clear();
     assert_eq!(Stream::default().on_request_headers(&cfg, &mut chat_req, true), Next::Continue);
     assert_eq!(chat_req.header(HEADER_CLASS), Some("interactive"));
-    assert_eq!(chat_req.header(HEADER_POOL), Some("batch"), "spilled");
-    assert_eq!(chat_req.header(HEADER_SPILLED_FROM), Some("interactive"));
-    assert!(counted(&chat_req, &names).contains(&"infermesh.spilled_requests_total.pool.interactive".to_string()));
+    // Spilling it elsewhere is Envoy's (health check + priority failover): the filter leaves
+    // the decision as it is and adds nothing.
+    assert_eq!(chat_req.header(HEADER_POOL), Some("interactive"), "not rerouted by the filter");
+    assert_eq!(chat_req.header("x-infermesh-spilled-from"), None);
+    let chat_counts = counted(&chat_req, &names);
+    assert!(chat_counts.contains(&"infermesh.requests_total.class.interactive.pool.interactive.rule.chat".to_string()), "{chat_counts:?}");
+    assert!(!chat_counts.iter().any(|n| n.contains("shed") || n.contains("spill")), "{chat_counts:?}");
+    assert!(!names.iter().any(|n| n.contains("spill")), "no spill counter is defined: {names:?}");
 
     let mut batch = FakeHost::request("POST", "/v1/completions", &[]);
     assert_eq!(Stream::default().on_request_headers(&cfg, &mut batch, true), Next::Answered);
