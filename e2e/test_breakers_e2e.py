@@ -167,8 +167,9 @@ def test_degradation_within_one_second_of_the_sustain_window(local_mesh):
 
 
 def test_critical_interactive_pool_spills_to_batch_and_the_mesh_sheds_batch(local_mesh):
-    """Degraded-mode routing: the control plane follows the interactive sidecar's state; when it
-    is down to critical-only, chats go to the batch pool and batch requests get 429 at the edge."""
+    """Degraded-mode routing: when the interactive sidecar is down to critical-only, Envoy's
+    health check of its state endpoint takes it out of rotation and chats go to the batch pool
+    (priority failover), and the filter, which reads the same level, sheds batch at the edge."""
     mesh = local_mesh
     wait_recovered(mesh, "interactive")
     admin = mesh.admin_url("interactive")
@@ -181,11 +182,15 @@ def test_critical_interactive_pool_spills_to_batch_and_the_mesh_sheds_batch(loca
                      5, every=0.02, what="chats to spill to the batch pool")
         spill_s = time.monotonic() - t0
         assert r.status_code == 200
-        shed = httpx.post(mesh.base_url + "/v1/completions", json=completion, timeout=10)
-        assert shed.status_code == 429 and shed.headers["x-infermesh-shed-by"] == "mesh"
+        # Two mechanisms on one reading: the shed is due within the same second as the spill.
+        shed = wait_for(lambda: (s := httpx.post(mesh.base_url + "/v1/completions", json=completion, timeout=10)).status_code == 429 and s,
+                        max(0.05, 1.0 - (time.monotonic() - t0)), every=0.02, what="batch shed at the edge")
+        shed_s = time.monotonic() - t0
+        assert shed.headers["x-infermesh-shed-by"] == "mesh"
         assert int(shed.headers["retry-after"]) >= 1 and shed.json()["error"]["code"] == "mesh_shedding"
-        print(f"[spill] chats served by the batch pool {spill_s * 1000:.0f} ms after the pool reported critical-only")
-        assert spill_s < 1.0
+        print(f"[spill] chats served by the batch pool {spill_s * 1000:.0f} ms, batch shed {shed_s * 1000:.0f} ms "
+              "after the pool reported critical-only")
+        assert spill_s < 1.0 and shed_s < 1.0
     finally:
         httpx.delete(admin + "/admin/faults", timeout=5)
     wait_recovered(mesh, "interactive", timeout=60)

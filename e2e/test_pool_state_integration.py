@@ -1,6 +1,7 @@
 """Integration: degraded-mode routing in the data plane. The real Envoy (two workers) with the
-compiled filter and the routes the control plane generates for the e2e policy (interactive
-spills to batch and batch is shed at the edge while interactive is at level 3), in front of two
+compiled filter and the routes and clusters the control plane generates for the e2e policy
+(interactive spills to batch, by Envoy's health check of the state endpoint and priority
+failover, and the filter sheds batch at the edge while interactive is at level 3), in front of two
 fake sidecars (`FakeSidecar`, below: the level, the header and the state endpoint's behaviour
 are the test's to choose, which no real sidecar can be made to do on demand, e.g. answer
 garbage). The same behaviour on real sidecars with vLLM: e2e/test_breakers_e2e.py
@@ -39,7 +40,9 @@ LEVEL = "x-infermesh-pool-level"
 class FakeSidecar(ThreadingHTTPServer):
     """A fake of one pool's sidecar: echoes each request (pool, path, headers) and reports
     `level` in x-infermesh-pool-level, as the real one does; `header` = "garbage" sends junk
-    instead; `state` = "ok" | "500" | "hang" is how GET /infermesh/state answers."""
+    instead; `state` = "ok" | "500" | "hang" is how GET /infermesh/state answers, the filter's
+    probe (counted in `probes`) and Envoy's health check `?healthy_below=N` alike (503 from
+    level N up, as sidecar/state_api.py answers it)."""
 
     daemon_threads = True
 
@@ -60,11 +63,12 @@ class _FakeHandler(BaseHTTPRequestHandler):
         srv: FakeSidecar = self.server  # type: ignore[assignment]
         self.rfile.read(int(self.headers.get("content-length") or 0))
         status = 200
-        if self.path == "/infermesh/state":
-            srv.probes += 1
+        if self.path.startswith("/infermesh/state"):
+            below = self.path.partition("?healthy_below=")[2]
+            srv.probes += not below
             if srv.state == "hang":
                 time.sleep(2)
-            status = 500 if srv.state == "500" else 200
+            status = 500 if srv.state == "500" else 503 if below and srv.level >= int(below) else 200
         out = json.dumps({"upstream": srv.pool, "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}}).encode()
         self.send_response(status)
         self.send_header("content-type", "application/json")
@@ -100,13 +104,6 @@ def pool_state_mesh(work: Path, native_module: Path | None = None):
     # A pool the filter watches whose cluster this Envoy does not have (a pool that went away).
     m.filter_config["degraded_routing"]["pools"]["gone"] = {"at_level": 3, "probe_cluster": "pool_gone"}
     boot = write_bootstrap(m, work / "envoy.json")
-    # No active health checks: the fakes never die here, and on this shared 2-core machine a
-    # check's 1 s timeout can pass under load, which moves a pool's traffic to its failover
-    # endpoints (the spill pool's) and would read as a spill the filter did not make.
-    doc = json.loads(boot.read_text())
-    for c in doc["static_resources"]["clusters"]:
-        c.pop("health_checks", None)
-    boot.write_text(json.dumps(doc))
     log = work / "envoy.log"
     proc = subprocess.Popen([str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "2",
                              "--log-level", "info"], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
@@ -122,11 +119,19 @@ def pool_state_mesh(work: Path, native_module: Path | None = None):
         time.sleep(0.1)
     else:
         pytest.fail("envoy did not start:\n" + log.read_text()[-3000:])
+    # Its first health checks can time out while Envoy's main thread compiles the Wasm module;
+    # a host that failed them is back after four passes. Start from every host in rotation.
+    until("every pool host healthy", lambda: all_hosts_healthy(admin_url), 30, every=0.1)
     yield base, admin_url, sidecars
     proc.terminate()
     proc.wait(timeout=10)
     for s in sidecars.values():
         s.shutdown()
+
+
+def all_hosts_healthy(admin_url: str) -> bool:
+    text = urllib.request.urlopen(admin_url + "/clusters", timeout=5).read().decode()
+    return all(line.endswith("::healthy") for line in text.splitlines() if "::health_flags::" in line)
 
 
 def request(base: str, method: str, path: str, body: dict | None = None, headers: dict | None = None):
@@ -191,13 +196,16 @@ def test_normal_routing_and_the_level_header_never_reaches_the_client(mesh):
 def test_a_degraded_pool_under_traffic_spills_within_a_second_sheds_batch_and_recovers(mesh):
     base, admin_url, sidecars = mesh
     back_to_normal(base, sidecars)
-    spilled_before = metric(admin_url, "infermesh_spilled_requests_total", pool="interactive")
+    failed_checks = metric(admin_url, "envoy_cluster_health_check_failure", envoy_cluster_name="pool_interactive")
     sidecars["interactive"].level = 3
     t0 = time.monotonic()
     spill_s, (status, headers, got) = until("a chat spilled to batch", lambda: (r := chat(base))[2]["upstream"] == "batch" and r, 5)
     print(f"[pool-state] plain Envoy, under traffic: first spilled chat {spill_s * 1000:.0f} ms after the sidecar reported level 3")
     assert spill_s < 1.0
-    assert got["headers"]["x-infermesh-class"] == "interactive" and got["headers"]["x-infermesh-spilled-from"] == "interactive"
+    # Bound for interactive (the route's headers), served by batch: Envoy's failover, because the
+    # health check of the state endpoint failed.
+    assert got["headers"]["x-infermesh-class"] == "interactive" and got["headers"]["x-infermesh-pool"] == "interactive"
+    assert metric(admin_url, "envoy_cluster_health_check_failure", envoy_cluster_name="pool_interactive") > failed_checks
     # Another worker may still hold its normal view of the pool for up to 100 ms (docs/filter.md,
     # "Shared across workers"): batch is shed at the edge within the same second, not at once.
     until("batch shed at the edge", lambda: batch(base)[0] == 429, 5)
@@ -212,11 +220,10 @@ def test_a_degraded_pool_under_traffic_spills_within_a_second_sheds_batch_and_re
     assert request(base, "POST", "/tokenize", {"prompt": "x"})[0] == 200
     for _ in range(20):  # steady: every chat spilled, every batch shed, no flapping
         assert chat(base)[2]["upstream"] == "batch" and batch(base)[0] == 429
-    assert metric(admin_url, "infermesh_spilled_requests_total", pool="interactive") > spilled_before
     assert metric(admin_url, "infermesh_shed_requests_total", **{"class": "batch"}) > 0
     sidecars["interactive"].level = 0
     recover_s, _ = until("chats back on interactive", lambda: chat(base)[2]["upstream"] == "interactive", 10)
-    print(f"[pool-state] plain Envoy: back to normal {recover_s * 1000:.0f} ms after the sidecar reported level 0 (1 s hold)")
+    print(f"[pool-state] plain Envoy: back to normal {recover_s * 1000:.0f} ms after the sidecar reported level 0 (4 checks of 0.25 s)")
     assert batch(base)[0] == 200
 
 
@@ -226,9 +233,14 @@ def test_an_idle_pool_is_learned_by_the_probe_within_two_seconds(mesh):
     time.sleep(1.0)  # no chat since: the interactive pool is idle, only the probe reads it
     probes = sidecars["interactive"].probes
     sidecars["interactive"].level = 3
+    t0 = time.monotonic()
     shed_s, _ = until("batch shed for an idle degraded pool", lambda: batch(base)[0] == 429, 5)
-    print(f"[pool-state] plain Envoy, idle pool: first shed request {shed_s * 1000:.0f} ms after the sidecar reported level 3 (probe)")
-    assert shed_s < 2.0 and sidecars["interactive"].probes > probes
+    # The health check runs at the same interval with or without traffic (no_traffic_interval).
+    until("the first chat after the idle spell spilled to batch", lambda: chat(base)[2]["upstream"] == "batch", 5)
+    spill_s = time.monotonic() - t0
+    print(f"[pool-state] plain Envoy, idle pool: first shed request {shed_s * 1000:.0f} ms (probe), "
+          f"chats spilled by {spill_s * 1000:.0f} ms (health check) after the sidecar reported level 3")
+    assert shed_s < 2.0 and spill_s < 2.0 and sidecars["interactive"].probes > probes
     # Two workers, one probe an interval between them (500 ms): not one per worker.
     n0, t0 = sidecars["interactive"].probes, time.monotonic()
     time.sleep(3)
@@ -250,12 +262,15 @@ def test_a_sidecar_that_answers_garbage_or_a_state_endpoint_that_fails_leaves_ro
     s.level = 3  # the pool is degraded, but what it says of it cannot be read
     if fault == "garbage":
         s.header = "garbage"
+        # The health check reads the state endpoint's status, not the header: the spill holds;
+        # the filter cannot read the level, so nothing is shed (below).
+        until("chats spilled by the health check", lambda: chat(base)[2]["upstream"] == "batch", 5)
         for _ in range(10):
             status, _, got = chat(base)
-            assert status == 200 and got["upstream"] == "interactive"
+            assert status == 200 and got["upstream"] == "batch"
     else:
         s.state = fault
-        time.sleep(3)  # no traffic: only the probe, which fails
+        time.sleep(3)  # no traffic: only the probe, which fails (and the health check: spilled)
     until(f"{reason} counted", lambda: metric(admin_url, "infermesh_pool_state_errors_total", reason=reason) > before, 5, every=0.1)
     assert batch(base)[0] == 200 and chat(base)[0] == 200
     # A pool whose cluster is gone: counted at every probe, nothing else happens.

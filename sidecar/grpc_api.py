@@ -9,6 +9,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from infermesh.settings import LEVEL_DOWN
+
 from .errors import BadRequest, SidecarError
 from .events import BreakerChanged
 from .lifecycle import Front
@@ -23,6 +25,16 @@ log = logging.getLogger("infermesh.sidecar.grpc")
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 FULL_SERVICE = "infermesh.pool.full_service"
 """Health name that is SERVING only while the pool runs without any breaker action."""
+
+
+def below_level_service(level: int) -> str:
+    """grpc.health service SERVING while the replica is below `level` (1-LEVEL_DOWN): the gRPC
+    clusters' health check of a pool with `when_degraded.spill_to`, as `GET
+    /infermesh/state?healthy_below=N` is the HTTP clusters' (state_api.py)."""
+    return f"infermesh.pool.below_level.{level}"
+
+
+BELOW_LEVEL_SERVICES = tuple(below_level_service(n) for n in range(1, LEVEL_DOWN + 1))
 
 
 # vLLM's names of the fields this front calls otherwise (errors name the proto's field).
@@ -125,6 +137,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         md = dict(context.invocation_metadata() or ())
         request_class = request.request_class or md.get("x-infermesh-class", "")
+        self.pool.note_bound_for(md.get("x-infermesh-pool"))
         served_by = self.pool.config.served_by
         try:
             req = generation_request(request, request_class, self.pool.config.server.max_n)
@@ -222,6 +235,6 @@ async def start_grpc(pool: Pool) -> tuple[grpc.aio.Server, health.aio.HealthServ
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
     await server.start()
-    for name in ("", INFERENCE_SERVICE, FULL_SERVICE):
+    for name in ("", INFERENCE_SERVICE, FULL_SERVICE, *BELOW_LEVEL_SERVICES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, port

@@ -288,6 +288,7 @@ def build_app(pool: Pool) -> FastAPI:
             apis.update(_apis())
         api = apis[api_name]
         request_class = request.headers.get("x-infermesh-class", "")
+        pool.note_bound_for(request.headers.get("x-infermesh-pool"))
         try:
             body = await _read_body(request, cfg.server.max_body_bytes)
         except SidecarError as e:

@@ -51,6 +51,13 @@ class SidecarMetrics:
             ["request_class", "reason"],
             registry=self.registry,
         )
+        self.spilled_in = Counter(
+            "infermesh_sidecar_spilled_in_requests_total",
+            "Requests the mesh bound for another pool (x-infermesh-pool) that reached this one: "
+            "Envoy's failover while that pool was degraded (health check) or down.",
+            ["bound_for"],
+            registry=self.registry,
+        )
         self.breaker_state = Gauge(
             "infermesh_breaker_state",
             "Breaker state: 0 closed, 1 half-open, 2 open.",

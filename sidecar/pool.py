@@ -94,6 +94,11 @@ class Pool:
     def lifecycle(self, req: GenerationRequest, front: Front, api: str) -> RequestLifecycle:
         return RequestLifecycle(self, req, front, api)
 
+    def note_bound_for(self, bound_for: str | None) -> None:
+        """Count a generation request the mesh bound for another pool (a spill reaching us)."""
+        if bound_for and bound_for != self.config.pool:
+            self.metrics.spilled_in.labels(bound_for=bound_for[:64]).inc()
+
     def refuse(self, front: Front, api: str, request_class: str, error: SidecarError) -> None:
         """Count a request refused before it was a GenerationRequest (bad input)."""
         refuse(self, front, api, request_class, error)

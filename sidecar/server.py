@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from infermesh.logs import setup_logging
 
 from .config import ConfigError, SidecarConfig, load_config
-from .grpc_api import FULL_SERVICE, INFERENCE_SERVICE, start_admin_grpc, start_grpc
+from .grpc_api import BELOW_LEVEL_SERVICES, FULL_SERVICE, INFERENCE_SERVICE, below_level_service, start_admin_grpc, start_grpc
 from .admin_api import build_admin_app
 from .http_api import build_app
 from .metrics import SidecarMetrics
@@ -96,10 +96,15 @@ async def run(config: SidecarConfig) -> int:
         return 1
 
     # grpc.health: "infermesh.pool.full_service" is SERVING only while no breaker action is on,
-    # so a checker sees a degraded pool without the endpoint being taken out of rotation.
+    # so a checker sees a degraded pool without the endpoint being taken out of rotation;
+    # "infermesh.pool.below_level.N" while the level is below N (a failover pool's health check).
+    def serving(yes: bool) -> int:
+        return health_pb2.HealthCheckResponse.SERVING if yes else health_pb2.HealthCheckResponse.NOT_SERVING
+
     async def on_sample_health(level: int) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if level == 0 else health_pb2.HealthCheckResponse.NOT_SERVING
-        await health_servicer.set(FULL_SERVICE, status)
+        await health_servicer.set(FULL_SERVICE, serving(level == 0))
+        for n in range(1, len(BELOW_LEVEL_SERVICES) + 1):
+            await health_servicer.set(below_level_service(n), serving(level < n))
 
     last_level = -1
 
@@ -130,7 +135,7 @@ async def run(config: SidecarConfig) -> int:
     # Drain: stop advertising, refuse new work, let in-flight streams finish.
     log.info("draining", extra={"in_flight": pool.inflight, "grace_s": config.server.drain_grace_s})
     pool.begin_drain()
-    for name in ("", INFERENCE_SERVICE):
+    for name in ("", INFERENCE_SERVICE, FULL_SERVICE, *BELOW_LEVEL_SERVICES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     deadline = time.monotonic() + config.server.drain_grace_s
     while pool.inflight and time.monotonic() < deadline:

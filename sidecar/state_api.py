@@ -4,6 +4,10 @@
   `x-infermesh-pool-level` header. The filter probes it (proxy-wasm HTTP callouts on a timer)
   for pools that get no traffic; it exposes no fault, admin or model action, and nothing a
   client could use beyond what every response's headers already say to the mesh.
+- `GET /infermesh/state?healthy_below=N` -> the same body, with status 200 while the replica is
+  below level N and 503 from it up (`LEVEL_DOWN` while not ready or draining): Envoy's active
+  health check of a pool with `when_degraded.spill_to` (envoy_resources.state_health_checks), so
+  a replica at `at_level` leaves rotation and Envoy's priority failover spills to the next pool.
 - Every response of the serving app carries `x-infermesh-pool-level` (refusals included: a
   replica shedding with 429/503 is the one whose level matters most), from this middleware.
 
@@ -14,8 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+
+from infermesh.settings import LEVEL_DOWN
 
 from .response_headers import POOL_LEVEL_HEADER, pool_level, pool_level_value
 
@@ -49,13 +55,31 @@ class PoolLevelHeader:
         await self.app(scope, receive, send_with_level)
 
 
+def healthy_below(raw: str) -> int | None:
+    """The health check's level bound, 1-LEVEL_DOWN, or None when it is not one."""
+    if not raw.isdigit():
+        return None
+    n = int(raw)
+    return n if 1 <= n <= LEVEL_DOWN else None
+
+
 def install(app: FastAPI, pool: "Pool") -> None:
     """Register the state route and the header middleware on the serving app."""
 
     @app.get(STATE_PATH)
-    async def state() -> JSONResponse:
+    async def state(request: Request) -> JSONResponse:
         cfg = pool.config
-        body = {"pool": cfg.pool, "instance": cfg.instance, "level": pool_level(pool), "ready": pool.ready}
-        return JSONResponse(body, headers={POOL_LEVEL_HEADER: pool_level_value(pool), "cache-control": "no-store"})
+        level = pool_level(pool)
+        body = {"pool": cfg.pool, "instance": cfg.instance, "level": level, "ready": pool.ready}
+        status = 200
+        raw = request.query_params.get("healthy_below")
+        if raw is not None:
+            below = healthy_below(raw)
+            if below is None:
+                return JSONResponse({"error": {"message": f"healthy_below: an integer 1-{LEVEL_DOWN}, got {raw!r}",
+                                               "type": "invalid_request_error", "param": "healthy_below", "code": "invalid_value"}},
+                                    status_code=400)
+            status = 200 if level < below else 503
+        return JSONResponse(body, status_code=status, headers={POOL_LEVEL_HEADER: pool_level_value(pool), "cache-control": "no-store"})
 
     app.add_middleware(PoolLevelHeader, pool=pool)

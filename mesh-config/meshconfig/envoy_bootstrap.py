@@ -20,6 +20,7 @@ from .envoy_resources import (
     inline_routes,
     listener,
     pool_clusters,
+    state_clusters,
 )
 
 __all__ = ["MeshListener", "PoolEndpoint", "bootstrap", "write_bootstrap"]
@@ -32,7 +33,7 @@ def bootstrap(m: MeshListener) -> dict:
         "admin": admin(m.admin_port),
         "static_resources": {
             "listeners": [listener(m, http_connection_manager(m, inline_routes(m)))],
-            "clusters": [cluster(m, p, grpc, eds=False) for p, grpc in pool_clusters(m)],
+            "clusters": [*(cluster(m, p, grpc, eds=False) for p, grpc in pool_clusters(m)), *state_clusters(m, eds=False)],
         },
     }
 

@@ -12,15 +12,19 @@ endpoints over EDS). istio.py reuses the Wasm filter (`wasm_filter_config`) and 
 Routing decisions come from the typed policy (`Routing`: classes, rules, the default class);
 the filter's JSON config is only carried inside the Wasm filter.
 
-Degraded-mode routing (`when_degraded`) is the filter's own (docs/filter.md): the routes only
-make sure it runs where it can act, a rule whose class `when_degraded` may spill or shed is
-decided by the filter, not natively; and natively decided routes drop the sidecars' internal
-`x-infermesh-pool-level` response header, which the filter strips where it runs.
-
-Failover: a pool whose policy names a `when_degraded.spill_to` pool gets that pool's endpoints
-at priority 1 of its clusters. Envoy sends nothing there while the pool's own endpoints are
-healthy; a request that cannot connect (or is reset before any response) is retried on the next
-priority, so a sidecar that dies loses no request that had not started streaming.
+Degraded-mode routing (`when_degraded`, docs/filter.md) is split between Envoy and the filter:
+- spill is Envoy's own: a pool whose policy names a `when_degraded.spill_to` pool gets that
+  pool's endpoints at priority 1 of its clusters, and its health check asks the sidecar's state
+  endpoint whether it is below `at_level` (`health_checks`). A replica at the level leaves
+  rotation and Envoy's priority load sends its share to the spill pool; the routes stay native.
+  A request that cannot connect (or is reset before any response) is retried on the next
+  priority too, so a sidecar that dies loses no request that had not started streaming.
+- shed is the filter's: a rule whose class some pool's `when_degraded.shed_classes` names is
+  decided by the filter, which keeps the pools' state table (from the sidecars' level header and
+  probes of `pool_NAME_state`, a cluster of the pool's own endpoints without failover or health
+  check, so the probe reaches the degraded pool itself). Natively decided routes drop the
+  sidecars' internal `x-infermesh-pool-level` response header, which the filter strips where it
+  runs.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ class Routing:
     trusted_sources: bool = False
     """The filter trusts some peers' own x-infermesh-* headers (then only it may decide)."""
     degradable: frozenset[str] = frozenset()
-    """Classes `when_degraded` may spill or shed: only the filter decides them."""
+    """Classes `when_degraded` may shed: only the filter decides them."""
 
     @classmethod
     def from_policy(cls, policy: Policy) -> "Routing":
@@ -136,11 +140,10 @@ class Routing:
 
 
 def degradable_classes(classes: Mapping[str, ClassSpec], degraded_routing: dict | None) -> frozenset[str]:
-    """The classes a filter config's `degraded_routing` can shed, or spill (their pool has a spill_to)."""
+    """The classes a filter config's `degraded_routing` can shed (spill needs no filter: Envoy's
+    health check and priority failover do it, `health_checks`)."""
     pools = (degraded_routing or {}).get("pools", {})
-    shed = {c for p in pools.values() for c in p.get("shed_classes", ())}
-    spill = {n for n, c in classes.items() if pools.get(c.pool, {}).get("spill_to")}
-    return frozenset(shed | spill)
+    return frozenset(c for p in pools.values() for c in p.get("shed_classes", ()) if c in classes)
 
 
 @dataclass
@@ -162,6 +165,10 @@ class MeshListener:
     module Envoy finds through its environment, `native_module_env`; same config and routes)."""
     failover: dict[str, str] = field(default_factory=dict)
     """pool -> pool whose endpoints stand behind it at priority 1 (the policy's spill_to)."""
+    spill_levels: dict[str, int] = field(default_factory=dict)
+    """pool -> its `when_degraded.at_level`: its clusters' health check fails from that level on
+    (the state endpoint), so Envoy spills to the failover pool. A failover pool without one is
+    checked for liveness only (/health)."""
     native_rules: bool = True
     """Decide the rules Envoy can match itself (methods, exact/prefix paths, header values and
     presence, no body) in Envoy's route table, without running the Wasm filter at all; the
@@ -189,6 +196,11 @@ class MeshListener:
 
 def cluster_name(pool: str, grpc: bool = False) -> str:
     return f"pool_{pool}_grpc" if grpc else f"pool_{pool}"
+
+
+def state_cluster_name(pool: str) -> str:
+    """The filter's probe cluster of a pool that spills (policy.degraded_routing names it too)."""
+    return f"pool_{pool}_state"
 
 
 # -- the Wasm filter -----------------------------------------------------------------------------
@@ -397,13 +409,29 @@ def outlier_detection(limits: PoolLimits = POOL_LIMITS) -> dict:
     }
 
 
-def health_checks(grpc: bool) -> list[dict]:
-    """HTTP: /health is 200 while the sidecar serves, 503 while loading or draining; gRPC:
-    grpc.health.v1 for the Inference service. Failed and idle hosts are probed often (not
-    Envoy's 60 s) so a restarted sidecar is back in rotation within a second of being ready."""
-    check = {"grpc_health_check": {"service_name": GRPC_HEALTH_SERVICE}} if grpc else {"http_health_check": {"path": "/health"}}
-    return [{"timeout": "1s", "interval": "2s", "unhealthy_interval": "0.5s", "no_traffic_interval": "2s",
-             "unhealthy_threshold": 2, "healthy_threshold": 1, **check}]
+def health_checks(grpc: bool, below_level: int | None = None) -> list[dict]:
+    """Liveness (`below_level` None): HTTP /health is 200 while the sidecar serves, 503 while
+    loading or draining; gRPC grpc.health.v1 for the Inference service. Failed and idle hosts are
+    probed often (not Envoy's 60 s) so a restarted sidecar is back in rotation within a second.
+
+    Spill (`below_level` N, a pool with `when_degraded.spill_to`): the sidecar's state endpoint,
+    HTTP `/infermesh/state?healthy_below=N`, gRPC `infermesh.pool.below_level.N`, fails from
+    level N on and while not serving. Every 0.25 s, traffic or not: out after two failures (a
+    spill within ~0.5 s, idle or not), back after four passes in a row (1 s of hysteresis, so a
+    level that flickers at the boundary does not flap the route). A sidecar that hangs is out
+    after two 1 s timeouts, as with /health."""
+    if below_level is None:
+        check = {"grpc_health_check": {"service_name": GRPC_HEALTH_SERVICE}} if grpc else {"http_health_check": {"path": "/health"}}
+        return [{"timeout": "1s", "interval": "2s", "unhealthy_interval": "0.5s", "no_traffic_interval": "2s",
+                 "unhealthy_threshold": 2, "healthy_threshold": 1, **check}]
+    check = ({"grpc_health_check": {"service_name": f"infermesh.pool.below_level.{below_level}"}} if grpc
+             else {"http_health_check": {"path": f"{STATE_PATH}?healthy_below={below_level}"}})
+    return [{"timeout": "1s", "interval": "0.25s", "unhealthy_interval": "0.25s", "no_traffic_interval": "0.25s",
+             "no_traffic_healthy_interval": "0.25s", "unhealthy_threshold": 2, "healthy_threshold": 4, **check}]
+
+
+STATE_PATH = "/infermesh/state"
+"""The sidecars' read-only state endpoint (sidecar/state_api.py)."""
 
 
 # -- routes --------------------------------------------------------------------------------------
@@ -673,7 +701,7 @@ def cluster(m: MeshListener, p: PoolEndpoint, grpc: bool, *, eds: bool, limits: 
         "connect_timeout": limits.connect_timeout,
         "circuit_breakers": circuit_breakers(limits),
         "outlier_detection": outlier_detection(limits),
-        "health_checks": health_checks(grpc),
+        "health_checks": health_checks(grpc, m.spill_levels.get(p.pool) if m.failover.get(p.pool) else None),
         "load_balancing_policy": WEIGHTED_ROUND_ROBIN.policy(),
     }
     if eds:
@@ -683,6 +711,31 @@ def cluster(m: MeshListener, p: PoolEndpoint, grpc: bool, *, eds: bool, limits: 
     if grpc:
         c["typed_extension_protocol_options"] = HTTP2_UPSTREAM
     return c
+
+
+def state_clusters(m: MeshListener, *, eds: bool) -> list[dict]:
+    """The filter's probe clusters (`pool_NAME_state`, named by its `degraded_routing`): the
+    pool's own HTTP endpoints, no failover and no health check, so a probe reaches the pool
+    while its hosts are out of rotation. Over EDS with the endpoints of `state_load_assignment`."""
+    out = []
+    for pool in state_cluster_pools(m):
+        c: dict = {"name": state_cluster_name(pool), "connect_timeout": POOL_LIMITS.connect_timeout}
+        if eds:
+            c |= {"type": "EDS", "eds_cluster_config": {"eds_config": ADS_SOURCE, "service_name": c["name"]}}
+        else:
+            c |= {"type": "STATIC", "load_assignment": state_load_assignment(m, pool)}
+        out.append(c)
+    return out
+
+
+def state_cluster_pools(m: MeshListener) -> list[str]:
+    probed = {p.get("probe_cluster") for p in (m.filter_config.get("degraded_routing") or {}).get("pools", {}).values()}
+    return [p.pool for p in m.pools if state_cluster_name(p.pool) in probed]
+
+
+def state_load_assignment(m: MeshListener, pool: str) -> dict:
+    lb = [{"endpoint": {"address": {"socket_address": {"address": r.host, "port_value": r.port}}}} for r in m.pool(pool).replicas if r.port]
+    return {"cluster_name": state_cluster_name(pool), "endpoints": [{"priority": 0, "lb_endpoints": lb}]}
 
 
 HTTP2_UPSTREAM = {
@@ -767,9 +820,8 @@ FILTER_STATS_TAGS = [
     {"tag_name": "pool", "regex": _R + r"\.class\.[^.]+(\.pool\.([^.]+))"},
     {"tag_name": "rule", "regex": _R + r"\.class\.[^.]+\.pool\.[^.]+(\.rule\.([^.]+))$"},
     {"tag_name": "reason", "regex": _NS + r"body_fallbacks_total(\.reason\.([^.]+))$"},
-    # Degraded-mode routing (glue.rs): spilled by the pool they were bound for, shed by class,
-    # pool-state readings and probes that could not be used, by reason.
-    {"tag_name": "pool", "regex": _NS + r"spilled_requests_total(\.pool\.([^.]+))$"},
+    # Degraded-mode routing (glue.rs): shed by class, pool-state readings and probes that could
+    # not be used, by reason. (Spill is Envoy's: cluster.pool_P.health_check.*.)
     {"tag_name": "class", "regex": _NS + r"shed_requests_total(\.class\.([^.]+))$"},
     {"tag_name": "reason", "regex": _NS + r"pool_state_errors_total(\.reason\.([^.]+))$"},
     # Natively decided requests: per-route stats under the route's stat_prefix

@@ -99,5 +99,6 @@ class LocalMeshPlan:
                    for name in self.policy.pools],
             default_pool=self.policy.default_pool,
             failover=self.policy.failover(),
+            spill_levels=self.policy.spill_levels(),
             routing=Routing.from_policy(self.policy),
         )

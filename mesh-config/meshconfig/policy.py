@@ -452,32 +452,31 @@ class Policy(Strict):
         return self.classes[cls].objective or cls
 
     def degraded_routing(self, probe_clusters: Mapping[str, str] | None = None) -> dict | None:
-        """The filter's `degraded_routing`: each pool with `when_degraded` and each pool one spills
-        to (at LEVEL_DOWN: degraded only while its sidecars are not serving), with the Envoy
-        cluster the filter probes for its state (`probe_clusters`; default the plain-Envoy names,
-        envoy_resources.cluster_name). None when no pool has `when_degraded`."""
-        if not any(p.when_degraded for p in self.pools.values()):
+        """The filter's `degraded_routing`: each pool whose `when_degraded` sheds classes, with
+        the Envoy cluster the filter probes for its state (`probe_clusters`; default the
+        plain-Envoy names: envoy_resources.state_cluster_name for a pool that spills, whose own
+        cluster fails over, else cluster_name). Spill is not the filter's: Envoy's health check
+        and priority failover (`failover`, `spill_levels`). None when no pool sheds."""
+        shedding = {n: p.when_degraded for n, p in self.pools.items() if p.when_degraded and p.when_degraded.shed_classes}
+        if not shedding:
             return None
-        clusters = probe_clusters if probe_clusters is not None else {n: f"pool_{n}" for n in self.pools}
-        targets = {p.when_degraded.spill_to for p in self.pools.values() if p.when_degraded}
         pools: dict[str, dict] = {}
-        for name, p in self.pools.items():
-            wd = p.when_degraded
-            if wd is None and name not in targets:
-                continue
-            entry: dict[str, Any] = {"at_level": wd.at_level if wd else LEVEL_DOWN}
-            if wd and wd.spill_to:
-                entry["spill_to"] = wd.spill_to
-            if wd and wd.shed_classes:
-                entry["shed_classes"] = list(wd.shed_classes)
-            if name in clusters:
-                entry["probe_cluster"] = clusters[name]
+        for name, wd in shedding.items():
+            entry: dict[str, Any] = {"at_level": wd.at_level, "shed_classes": list(wd.shed_classes)}
+            default = f"pool_{name}_state" if wd.spill_to else f"pool_{name}"
+            cluster = probe_clusters.get(name) if probe_clusters is not None else default
+            if cluster:
+                entry["probe_cluster"] = cluster
             pools[name] = entry
         return {"pools": pools, **self.filter.pool_state.model_dump()}
 
     def failover(self) -> dict[str, str]:
         """pool -> the pool whose endpoints back it at priority 1 (its `when_degraded.spill_to`)."""
         return {n: p.when_degraded.spill_to for n, p in self.pools.items() if p.when_degraded and p.when_degraded.spill_to}
+
+    def spill_levels(self) -> dict[str, int]:
+        """pool -> the level from which Envoy spills it to its failover pool (`at_level`)."""
+        return {n: p.when_degraded.at_level for n, p in self.pools.items() if p.when_degraded and p.when_degraded.spill_to}
 
     # ---- generators ---------------------------------------------------------------------------
 

@@ -41,6 +41,9 @@ from .envoy_resources import (
     listener,
     load_assignment,
     pool_clusters,
+    state_cluster_pools,
+    state_clusters,
+    state_load_assignment,
     rds_routes,
     route_config,
 )
@@ -149,6 +152,7 @@ def mesh_listener(policy: Policy, target: MeshTarget) -> MeshListener:
         pools=[PoolEndpoint.of(name, target.replicas(name)) for name in policy.pools],
         default_pool=policy.default_pool,
         failover=policy.failover(),
+        spill_levels=policy.spill_levels(),
         routing=Routing.from_policy(policy),
     )
 
@@ -163,8 +167,10 @@ def build_snapshot(policy: Policy, target: MeshTarget) -> Snapshot:
         return json_format.ParseDict(copy.deepcopy(d), msg)
 
     resources = {
-        CLUSTER_TYPE: [parse(cluster(m, p, grpc, eds=True), cluster_pb2.Cluster()) for p, grpc in pool_clusters(m)],
-        ENDPOINT_TYPE: [parse(load_assignment(m, p.pool, grpc), endpoint_pb2.ClusterLoadAssignment()) for p, grpc in pool_clusters(m)],
+        CLUSTER_TYPE: [parse(c, cluster_pb2.Cluster()) for c in [*(cluster(m, p, grpc, eds=True) for p, grpc in pool_clusters(m)),
+                                                                    *state_clusters(m, eds=True)]],
+        ENDPOINT_TYPE: [parse(e, endpoint_pb2.ClusterLoadAssignment()) for e in [*(load_assignment(m, p.pool, grpc) for p, grpc in pool_clusters(m)),
+                                                                                 *(state_load_assignment(m, p) for p in state_cluster_pools(m))]],
         LISTENER_TYPE: [parse(listener(m, http_connection_manager(m, rds_routes())), listener_pb2.Listener())],
         ROUTE_TYPE: [parse(route_config(m), route_pb2.RouteConfiguration())],
     }

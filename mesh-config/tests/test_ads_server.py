@@ -99,7 +99,7 @@ def test_initial_wildcard_requests_get_every_resource_of_their_type():
         envoy.send(CLUSTER_TYPE)
         r = await envoy.response()
         assert (r.type_url, r.version_info) == (CLUSTER_TYPE, V1.version) and r.nonce
-        assert names(r) == ["pool_batch", "pool_batch_grpc", "pool_interactive", "pool_interactive_grpc"]
+        assert names(r) == ["pool_batch", "pool_batch_grpc", "pool_interactive", "pool_interactive_grpc", "pool_interactive_state"]
         envoy.send(LISTENER_TYPE)
         r2 = await envoy.response()
         assert names(r2) == ["infermesh"] and r2.nonce != r.nonce

@@ -53,19 +53,23 @@ def test_http_and_grpc_route_and_cluster_per_pool_plus_default():
         assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream", "reset"}
         assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
     clusters = {c["name"]: c for c in b["static_resources"]["clusters"]}
-    assert set(clusters) == {"pool_interactive", "pool_interactive_grpc", "pool_batch", "pool_batch_grpc"}
+    # and the filter's probe cluster of interactive, which fails over (its shedding watches it).
+    assert set(clusters) == {"pool_interactive", "pool_interactive_grpc", "pool_batch", "pool_batch_grpc", "pool_interactive_state"}
     # The wasm filter runs before the router and carries the filter config as JSON.
     hcm = _hcm(b)
     assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
     assert json.loads(hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"]) == plan.filter_config()
     assert b["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     for name, c in clusters.items():
+        if name.endswith("_state"):
+            continue  # the probe cluster: no health check of its own (test_the_spill_pool_backs…)
         hc = c["health_checks"][0]
+        spills = name.startswith("pool_interactive")  # its check is the state endpoint's (below)
         if name.endswith("_grpc"):
-            assert hc["grpc_health_check"]["service_name"] == "infermesh.v1.Inference"
+            assert spills or hc["grpc_health_check"]["service_name"] == "infermesh.v1.Inference"
             assert "http2_protocol_options" in json.dumps(c["typed_extension_protocol_options"])
         else:
-            assert hc["http_health_check"]["path"] == "/health"
+            assert spills or hc["http_health_check"]["path"] == "/health"
         od = c["outlier_detection"]
         assert od["split_external_local_origin_errors"] and od["enforcing_consecutive_5xx"] == 0, "shedding is not a fault"
         assert c["circuit_breakers"]["thresholds"][0]["max_requests"] > 0
@@ -120,15 +124,17 @@ def test_without_a_filter_route_the_unreachable_pool_header_routes_are_left_out(
     assert all(r["typed_per_filter_config"]["envoy.filters.http.wasm"]["disabled"] for r in routes)
 
 
-def test_rules_of_classes_when_degraded_may_spill_or_shed_are_decided_by_the_filter():
-    plan = LocalMeshPlan()  # local.yaml: interactive spills to batch, batch is shed
+def test_rules_of_classes_when_degraded_may_shed_are_decided_by_the_filter():
+    plan = LocalMeshPlan()  # local.yaml: interactive spills to batch (Envoy's failover), batch is shed
     routes = _hcm(bootstrap(plan.listener(Path("/x.wasm"))))["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["name"] for r in routes] == [
         "class-pool-interactive-grpc", "class-pool-interactive", "class-pool-batch-grpc", "class-pool-batch",
-        "filter-chat-bulk-grpc", "filter-chat-bulk", "filter-grpc-generate-grpc", "filter-grpc-generate",
+        "filter-chat-bulk-grpc", "filter-chat-bulk", "rule-grpc-generate-grpc", "rule-grpc-generate",
         "filter-default-grpc", "filter-default",
     ]
-    assert all("typed_per_filter_config" not in r and "request_headers_to_add" not in r for r in routes)
+    native = [r for r in routes if r["name"].startswith("rule-")]
+    assert all(r["typed_per_filter_config"]["envoy.filters.http.wasm"]["disabled"] for r in native), "interactive only spills"
+    assert all("typed_per_filter_config" not in r and "request_headers_to_add" not in r for r in routes if r not in native)
     assert routes[-1]["route"]["cluster"] == "pool_batch", "the filter failing open: the default pool"
 
 
@@ -155,6 +161,14 @@ def test_the_spill_pool_backs_the_pool_at_priority_one():
     assert prio("pool_interactive") == {0: [ports["interactive"].http_port], 1: [ports["batch"].http_port]}
     assert prio("pool_interactive_grpc") == {0: [ports["interactive"].grpc_port], 1: [ports["batch"].grpc_port]}
     assert prio("pool_batch") == {0: [ports["batch"].http_port]}, "batch has no failover"
+    # Its health check asks the state endpoint whether the sidecar is below at_level: failing, the
+    # host leaves rotation and the priority load goes to batch. batch's is liveness only.
+    (hc,) = clusters["pool_interactive"]["health_checks"]
+    assert hc["http_health_check"]["path"] == f"/infermesh/state?healthy_below={plan.policy.spill_levels()['interactive']}"
+    assert (hc["interval"], hc["no_traffic_interval"], hc["unhealthy_threshold"], hc["healthy_threshold"]) == ("0.25s", "0.25s", 2, 4)
+    (hc,) = clusters["pool_interactive_grpc"]["health_checks"]
+    assert hc["grpc_health_check"]["service_name"] == f"infermesh.pool.below_level.{plan.policy.spill_levels()['interactive']}"
+    assert clusters["pool_batch"]["health_checks"][0]["http_health_check"]["path"] == "/health"
 
 
 def test_envoy_local_replies_for_a_missing_upstream_are_openai_errors_with_retry_after():
@@ -233,5 +247,4 @@ def test_the_filters_counters_are_tagged_in_either_runtime(namespace):
         f"{namespace}.infermesh.requests_total", {"class": "interactive", "pool": "gpu", "rule": "chat"})
     assert tags(f"{namespace}.infermesh.shed_requests_total.class.batch") == (f"{namespace}.infermesh.shed_requests_total", {"class": "batch"})
     assert tags(f"{namespace}.infermesh.pool_state_errors_total.reason.garbage")[1] == {"reason": "garbage"}
-    assert tags(f"{namespace}.infermesh.spilled_requests_total.pool.interactive")[1] == {"pool": "interactive"}
     assert tags(f"{namespace}.infermesh.body_fallbacks_total.reason.too_large")[1] == {"reason": "too_large"}

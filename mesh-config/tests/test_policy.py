@@ -87,32 +87,42 @@ def test_when_degraded_goes_to_the_filter_as_degraded_routing():
     text = GOOD.replace("  batch:\n    models:", "    when_degraded: {at_level: 2, spill_to: batch, shed_classes: [batch]}\n  batch:\n    models:")
     p = parse_policy(text)
     assert p.filter_config()["degraded_routing"] == {
-        # The spill target is watched too, at LEVEL_DOWN: no spill onto a pool that is not serving.
-        "pools": {"interactive": {"at_level": 2, "spill_to": "batch", "shed_classes": ["batch"], "probe_cluster": "pool_interactive"},
-                  "batch": {"at_level": 4, "probe_cluster": "pool_batch"}},
+        # Only the shedding is the filter's; the spill is Envoy's health check + failover, and the
+        # probe goes to the pool's own endpoints (its cluster fails over to batch's).
+        "pools": {"interactive": {"at_level": 2, "shed_classes": ["batch"], "probe_cluster": "pool_interactive_state"}},
         "probe_interval_ms": 500, "probe_timeout_ms": 400, "stale_after_ms": 5000, "recover_hold_ms": 1000, "retry_after_s": 5,
     }
+    assert (p.failover(), p.spill_levels()) == ({"interactive": "batch"}, {"interactive": 2})
     istio = {"interactive": "outbound|8000||x-interactive.ns.svc.cluster.local"}
     assert p.filter_config(istio)["degraded_routing"]["pools"]["interactive"]["probe_cluster"] == istio["interactive"]
-    assert "probe_cluster" not in p.filter_config(istio)["degraded_routing"]["pools"]["batch"]
+    assert "probe_cluster" not in p.filter_config({})["degraded_routing"]["pools"]["interactive"]
     assert "degraded_routing" not in parse_policy(NO_DEGRADED).filter_config()
+    # A pool that only spills needs no filter at all; one that only sheds is probed on its own cluster.
+    assert "degraded_routing" not in parse_policy(text.replace(", shed_classes: [batch]", "")).filter_config()
+    only_shed = parse_policy(text.replace("spill_to: batch, ", "")).filter_config()["degraded_routing"]["pools"]
+    assert only_shed == {"interactive": {"at_level": 2, "shed_classes": ["batch"], "probe_cluster": "pool_interactive"}}
     (line, field, msg), = problems(text.replace("spill_to: batch", "spill_to: interactive"))
     assert field == "pools.interactive.when_degraded.spill_to"
     (line, field, msg), = problems(text + "filter: {pool_state: {probe_interval_ms: 10}}\n")
     assert (field, msg) == ("filter.pool_state.probe_interval_ms", "must be between 50 and 60000")
 
 
-def test_the_plain_envoy_probe_clusters_are_the_pool_clusters():
-    from infermesh.meshconfig.envoy_resources import cluster_name
+def test_the_plain_envoy_probe_clusters_are_the_state_clusters_of_the_pools_that_spill():
+    from infermesh.meshconfig.envoy_resources import state_cluster_name, state_clusters
 
     p = load_policy(E2E_POLICY)
-    assert {n: d["probe_cluster"] for n, d in p.degraded_routing()["pools"].items()} == {n: cluster_name(n) for n in p.pools}
+    assert {n: d["probe_cluster"] for n, d in p.degraded_routing()["pools"].items()} == {"interactive": state_cluster_name("interactive")}
+    plan = LocalMeshPlan(policy_path=E2E_POLICY)
+    (probe,) = state_clusters(plan.listener(Path("/x.wasm")), eds=False)
+    # The pool's own endpoints only: no failover priority, no health check taking them out.
+    assert probe["name"] == "pool_interactive_state" and "health_checks" not in probe
+    assert [e["priority"] for e in probe["load_assignment"]["endpoints"]] == [0]
 
 
-def test_degradable_classes_are_decided_by_the_filter_and_no_route_is_rewritten():
-    """One mechanism: the routes never change with a pool's level; a rule whose class
-    `when_degraded` may spill or shed is a filter route (the filter applies it), natively
-    decided routes drop the sidecars' pool-level header."""
+def test_shed_classes_are_decided_by_the_filter_and_no_route_is_rewritten():
+    """The routes never change with a pool's level; a rule whose class `when_degraded` may shed
+    is a filter route (the filter applies it); a class that only spills is native (Envoy's
+    failover spills it); natively decided routes drop the sidecars' pool-level header."""
     from infermesh.meshconfig.envoy_resources import route_config
 
     plan = LocalMeshPlan(policy_path=E2E_POLICY)
@@ -121,8 +131,9 @@ def test_degradable_classes_are_decided_by_the_filter_and_no_route_is_rewritten(
     by_pool = {r["match"]["headers"][0]["string_match"]["exact"]: r["route"]["cluster"]
                for r in routes if r["match"].get("headers", [{}])[0].get("name") == "x-infermesh-pool" and len(r["match"]["headers"]) == 1}
     assert by_pool == {"interactive": "pool_interactive", "batch": "pool_batch"}
-    # Both classes are degradable here (interactive spills, batch is shed): the filter decides all.
-    assert not any("request_headers_to_add" in r for r in routes)
+    # interactive only spills: its rules are native; batch is shed: the filter decides it.
+    native_pools = {h["value"] for r in routes for h in (x["header"] for x in r.get("request_headers_to_add", [])) if h["key"] == "x-infermesh-pool"}
+    assert native_pools == {"interactive"}
     assert [r["name"] for r in routes if r["name"].startswith("filter-")][-1] == "filter-default"
     # Without when_degraded: native routes, and they drop the pool-level header.
     plain = LocalMeshPlan(policy=parse_policy(NO_DEGRADED))

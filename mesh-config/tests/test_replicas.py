@@ -26,6 +26,11 @@ def _ports(eps: list[dict]) -> list[int]:
     return [e["endpoint"]["address"]["socket_address"]["port_value"] for e in eps]
 
 
+def pool_clusters_of(b: dict) -> list[dict]:
+    """The pools' traffic clusters (not the filter's probe clusters, `pool_NAME_state`)."""
+    return [c for c in b["static_resources"]["clusters"] if not c["name"].endswith("_state")]
+
+
 def test_each_replica_gets_its_own_ports_instance_and_child(tmp_path):
     path = two_replica_policy(tmp_path)
     plan = LocalMeshPlan(policy_path=path)
@@ -98,7 +103,7 @@ def test_pool_clusters_balance_by_the_replicas_load_reports_and_the_edge_strips_
     from infermesh.meshconfig.envoy_resources import CSWRR_TYPE, ORCA_HEADER
 
     b = bootstrap(LocalMeshPlan().listener(Path("/x.wasm")))
-    for c in b["static_resources"]["clusters"]:
+    for c in pool_clusters_of(b):
         (p,) = c["load_balancing_policy"]["policies"]
         cfg = p["typed_extension_config"]["typed_config"]
         assert cfg["@type"] == CSWRR_TYPE

@@ -29,7 +29,8 @@ def _routes(snap: Snapshot) -> dict[str, str]:
 def test_the_snapshot_serves_routes_over_rds_and_endpoints_over_eds():
     snap = build_snapshot(POLICY, TARGET)
     clusters = snap.resources[CLUSTER_TYPE]
-    assert [c.name for c in clusters] == ["pool_interactive", "pool_interactive_grpc", "pool_batch", "pool_batch_grpc"]
+    # The pools' clusters, then the filter's probe cluster of interactive (which fails over).
+    assert [c.name for c in clusters] == ["pool_interactive", "pool_interactive_grpc", "pool_batch", "pool_batch_grpc", "pool_interactive_state"]
     assert all(c.eds_cluster_config.service_name == c.name and not c.HasField("load_assignment") for c in clusters)
     assert sorted(resource_name(e) for e in snap.resources[ENDPOINT_TYPE]) == sorted(c.name for c in clusters)
     assert [r.name for r in snap.resources[ROUTE_TYPE]] == ["infermesh"]

@@ -41,6 +41,11 @@ def _headers_added(r: dict) -> dict[str, str]:
     return {h["header"]["key"]: h["header"]["value"] for h in r.get("request_headers_to_add", [])}
 
 
+def pool_clusters_of(b: dict) -> list[dict]:
+    """The pools' traffic clusters (not the filter's probe clusters, `pool_NAME_state`)."""
+    return [c for c in b["static_resources"]["clusters"] if not c["name"].endswith("_state")]
+
+
 def test_interactive_hedges_and_batch_does_not_by_default(tmp_path):
     policy = load_policy(deadline_policy(tmp_path))
     assert policy.classes["interactive"].hedges and not policy.classes["batch"].hedges
@@ -93,7 +98,7 @@ def test_a_class_that_does_not_hedge_gets_a_hard_deadline(tmp_path):
 
 def test_pool_clusters_carry_a_retry_budget():
     b = bootstrap(LocalMeshPlan().listener(Path("/x.wasm")))
-    for c in b["static_resources"]["clusters"]:
+    for c in pool_clusters_of(b):
         budget = c["circuit_breakers"]["thresholds"][0]["retry_budget"]
         assert 0 < budget["budget_percent"]["value"] <= 50 and budget["min_retry_concurrency"] >= 2
 

@@ -305,3 +305,31 @@ def test_every_response_carries_the_pool_level_and_the_state_endpoint_is_read_on
     assert client.post("/infermesh/state").status_code == 405
     assert client.delete("/infermesh/state").status_code == 405
     assert client.get("/infermesh/state/faults").status_code == 404
+
+
+def test_the_state_endpoint_is_the_spill_health_check_below_a_level(client, monkeypatch):
+    """Envoy's health check of a pool that spills (envoy_resources.health_checks): 200 while the
+    replica is below the level, 503 from it up and while not serving; a bad bound is a 400."""
+    def status(n) -> int:
+        return client.get(f"/infermesh/state?healthy_below={n}").status_code
+
+    assert [status(n) for n in (1, 3, 4)] == [200, 200, 200]
+    monkeypatch.setattr(type(client.pool.policy), "level", property(lambda self: 3))
+    assert [status(n) for n in (1, 3, 4)] == [503, 503, 200]
+    r = client.get("/infermesh/state?healthy_below=3")
+    assert r.json()["level"] == 3 and r.headers["x-infermesh-pool-level"] == "interactive;3;0"
+    client.pool.admission.draining = True
+    assert status(4) == 503
+    for bad in ("0", "5", "x", "", "-1"):
+        r = client.get(f"/infermesh/state?healthy_below={bad}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "healthy_below", bad
+
+
+def test_a_request_the_mesh_bound_for_another_pool_is_counted_as_spilled_in(client):
+    """Envoy's failover keeps the route's x-infermesh-pool: the pool that served a spill counts it."""
+    client.post("/v1/completions", json={"prompt": "say", "max_tokens": 2}, headers={"x-infermesh-pool": "interactive"})
+    assert sample(client, "infermesh_sidecar_spilled_in_requests_total", bound_for="interactive") is None, "its own pool"
+    for _ in range(2):
+        r = client.post("/v1/completions", json={"prompt": "say", "max_tokens": 2}, headers={"x-infermesh-pool": "gpu-large"})
+        assert r.status_code == 200
+    assert sample(client, "infermesh_sidecar_spilled_in_requests_total", bound_for="gpu-large") == 2
