@@ -9,12 +9,12 @@ Variants (each its own Envoy, --concurrency 1, in front of the same direct-respo
   headers-wasm    the same rules decided by the filter on every request (native rules off: the
                   form with trusted sources, and the one Istio's resources use)
   body            the filter with a body rule first, so it buffers and parses every chat body
-  headers-degraded  the header rules with the bundled policy's `when_degraded` (degraded_routing:
-                  the interactive pool's state, batch is shed while it is degraded; the spill to
-                  batch is Envoy's health-check failover, not the filter's): its classes are filter
-                  routes, so the filter decides every request, reads the sink's level header of
-                  interactive's responses in its response callback (shared-data CAS writes), strips
-                  it from every response and probes interactive's state cluster while it is idle
+  headers-degraded  the header rules with the bundled policy's `when_degraded`: interactive spills
+                  to batch (Envoy's health check of the state path every 0.25 s, which the sink
+                  answers 200, and batch's endpoints at priority 1) and batch is shed while it is
+                  degraded (the filter: batch's rules are filter routes, and it probes
+                  interactive's state cluster). The measured chats are interactive's: a class that
+                  only spills keeps its native route; a batch request costs what headers-wasm does
 The Istio form (istio_form.py: the gateway config istiod emits from the chart, replayed statically;
 compared with istio-no-filter, which always runs with them):
   istio-no-filter     the chart's gateway (VirtualService, DestinationRules) without the filter
@@ -83,7 +83,8 @@ BODY_RULES = dict(
 
 
 # The bundled policy's degraded-mode routing (its pools are HEADER_RULES' pools), as the filter gets it.
-DEGRADED_RULES = dict(HEADER_RULES, degraded_routing=load_policy(paths.REPO_ROOT / "mesh-config" / "policies" / "local.yaml").degraded_routing())
+DEGRADED_POLICY = load_policy(paths.REPO_ROOT / "mesh-config" / "policies" / "local.yaml")
+DEGRADED_RULES = dict(HEADER_RULES, degraded_routing=DEGRADED_POLICY.degraded_routing())
 # What a sidecar reports on every response (x-infermesh-pool-level: POOL;LEVEL;REPLICA): level 0,
 # so the pool state table is written and read on the measured path but routing stays normal.
 POOL_LEVEL_HEADER = "x-infermesh-pool-level"
@@ -235,7 +236,11 @@ def write_variant_config(path: Path, name: str, port: int, admin: int, sink_port
                      [PoolEndpoint("interactive", "127.0.0.1", sink_port), PoolEndpoint("batch", "127.0.0.1", sink_port)], "batch",
                      wasm_runtime=runtime, filter_runtime="native" if native_module else "wasm",
                      # The baselines run the filter on every request, as before native rules.
-                     native_rules=name in ("headers-only", "headers-degraded", "body"))
+                     native_rules=name in ("headers-only", "headers-degraded", "body"),
+                     # headers-degraded: the policy's spill too (interactive's state health check,
+                     # every 0.25 s, and batch's endpoints at priority 1), as the mesh runs it.
+                     **({"failover": DEGRADED_POLICY.failover(), "spill_levels": DEGRADED_POLICY.spill_levels()}
+                        if name == "headers-degraded" else {}))
     b = bootstrap(m)
     if name in ("no-filter", "paired-base"):
         hcm = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
