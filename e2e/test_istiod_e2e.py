@@ -401,6 +401,41 @@ def _seconds(d: str) -> float:
     return float(d.removesuffix("s"))
 
 
+def service_ports(objects: list[dict], pool: str) -> dict[str, int]:
+    svc = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == f"infermesh-{pool}")
+    return {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+
+
+def check_spill_config(dump: dict, policy, routes: dict[str, dict], objects: list[dict]) -> None:
+    """Spill is Envoy's: each pool with `spill_to` has the state endpoint's health check from
+    `at_level` on both its clusters (panic mode back on, so the filter's probe still reaches a pool
+    all out of rotation), an aggregate cluster per front of its cluster then the spill pool's, and
+    every route to the pool goes through that aggregate."""
+    failover, levels = policy.failover(), policy.spill_levels()
+    clusters = {c["cluster"]["name"]: c["cluster"] for c in dump_of(dump, "ClustersConfigDump").get("dynamic_active_clusters", [])}
+    host = lambda pool: f"infermesh-{pool}.{NAMESPACE}.svc.cluster.local"  # noqa: E731
+    for pool, to in failover.items():
+        for front, port in service_ports(objects, pool).items():
+            c = clusters[f"outbound|{port}||{host(pool)}"]
+            (hc,) = c["health_checks"]
+            if front == "http":
+                assert hc["http_health_check"]["path"] == f"/infermesh/state?healthy_below={levels[pool]}", hc
+            else:
+                assert hc["grpc_health_check"]["service_name"] == f"infermesh.pool.below_level.{levels[pool]}", hc
+            assert c["common_lb_config"]["healthy_panic_threshold"]["value"] == 1, c["common_lb_config"]
+            agg = clusters[f"infermesh-spill|{port}||{host(pool)}"]
+            assert agg["cluster_type"]["typed_config"]["clusters"] == [f"outbound|{port}||{host(pool)}", f"outbound|{port}||{host(to)}"]
+            assert agg["lb_policy"] == "CLUSTER_PROVIDED"
+    for pool in set(policy.pools) - set(failover):
+        assert all("health_checks" not in c for n, c in clusters.items() if n.endswith(f"||{host(pool)}")), pool
+    for name, r in routes.items():
+        cluster = r["route"]["cluster"]
+        pool = next(p for p in policy.pools if cluster.endswith(f"||{host(p)}"))
+        assert cluster.startswith("infermesh-spill|" if pool in failover else "outbound|"), (name, cluster)
+    if failover:
+        print(f"[istiod] spill: {sorted(failover.items())} through aggregate clusters, health check from level {levels}")
+
+
 def test_istiod_applies_the_pools_envoy_filter(gateway):
     """What a DestinationRule and a VirtualService cannot say, as istiod emits it after the pools'
     EnvoyFilter: every pool cluster balances by the replicas' ORCA reports (client-side weighted
@@ -423,6 +458,7 @@ def test_istiod_applies_the_pools_envoy_filter(gateway):
 
     policy = parse_policy(yaml.safe_dump(gateway.form.policy or yaml.safe_load(DEFAULT_POLICY.read_text())))
     routes = {r["name"]: r for r in gateway_routes(dump)}
+    check_spill_config(dump, policy, routes, gateway.objects)
     for name, r in routes.items():
         assert ORCA_HEADER in r.get("response_headers_to_remove", []), (name, r)
         pool = next(p for p in policy.pools if f"||infermesh-{p}." in r["route"]["cluster"])
@@ -516,9 +552,12 @@ def test_grpc_generate_reaches_the_interactive_grpc_port(gateway):
 
 def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
     """Degraded-mode routing through an Envoy configured by istiod: the chart's policy spills
-    interactive to batch and sheds batch while interactive is at level 3. The filter learns the
-    level from the sidecars' responses (under traffic) and from its probe of the state endpoint
-    through `outbound|PORT||HOST` (idle); /v1/models is never shed; recovery by the same signal."""
+    interactive to batch and sheds batch while interactive is at level 3. Spill is Envoy's: the
+    interactive clusters' health check of the state endpoint fails from level 3 on and the
+    aggregate cluster sends the chats to batch (the interactive host shows failed_active_hc). Shed
+    is the filter's, which learns the level from the sidecars' responses and from its probe of the
+    state endpoint through `outbound|PORT||HOST` (idle: the only signal, reaching the pool though
+    it is out of rotation); /v1/models is never shed; recovery by the same signals."""
     if gateway.form.name != "body-rules":
         pytest.skip("the filter applies when_degraded the same way in every form: the chart's default form shows it")
     import threading
@@ -548,6 +587,31 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
         wait_for(lambda: served_by(httpx.post(gateway.base_url + "/v1/chat/completions", json=chat, timeout=60)) == "interactive/0",
                  10, every=0.1, what="chats back on interactive")
 
+    ports = service_ports(gateway.objects, "interactive")
+    http_cluster = f"outbound|{ports['http']}||infermesh-interactive.{NAMESPACE}.svc.cluster.local"
+    grpc_cluster = f"outbound|{ports['grpc']}||infermesh-interactive.{NAMESPACE}.svc.cluster.local"
+
+    def hc_failed(cluster: str) -> bool:
+        """Whether the gateway's admin /clusters shows the cluster's host out by its active health check."""
+        lines = httpx.get(f"http://127.0.0.1:{gateway.admin_port}/clusters", timeout=5).text.splitlines()
+        flags = [x for x in lines if x.startswith(f"{cluster}::") and "::health_flags::" in x]
+        assert flags, f"no host of {cluster} in /clusters"
+        return all("/failed_active_hc" in x for x in flags)
+
+    def cluster_stat(cluster: str, name: str) -> int:
+        stat = f"cluster.{cluster};.{name}: "  # Istio's alt_stat_name ends in ";"
+        lines = httpx.get(f"http://127.0.0.1:{gateway.admin_port}/stats?filter={name}", timeout=5).text.splitlines()
+        (line,) = [x for x in lines if x.startswith(stat)] or [f"{stat}0"]
+        return int(line.removeprefix(stat))
+
+    def hc_failures(cluster: str) -> int:
+        return cluster_stat(cluster, "health_check.failure")
+
+    def probe_refusals() -> int:
+        """The filter's probes answered other than 200 (no healthy host would be Envoy's 503)."""
+        lines = httpx.get(f"http://127.0.0.1:{gateway.admin_port}/stats?filter=pool_state_errors_total", timeout=5).text.splitlines()
+        return sum(int(x.rsplit(": ", 1)[1]) for x in lines if "reason.probe_status" in x or "reason.probe_failed" in x)
+
     try:
         wait_for(recovered, 60, every=0.5, what="interactive to be at level 0")
         # Under traffic: chats keep flowing; the first one spilled to batch ends the clock.
@@ -560,6 +624,9 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
                 if r.status_code == 200 and r.headers.get("x-infermesh-served-by") == "batch/0" and not spilled:
                     spilled.append(time.monotonic())
 
+        wait_for(lambda: not hc_failed(http_cluster) and not hc_failed(grpc_cluster), 10, every=0.1,
+                 what="interactive in rotation (its health check passing)")
+        failures_before = hc_failures(http_cluster)
         worker = threading.Thread(target=traffic, daemon=True)
         worker.start()
         t0 = degrade()
@@ -567,6 +634,16 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
         stop.set()
         worker.join(timeout=60)
         traffic_s = spilled[0] - t0
+        # The spill went through Envoy's health check, not the filter: both fronts' interactive
+        # host is out by failed_active_hc while the pool is at level 3.
+        wait_for(lambda: hc_failed(http_cluster) and hc_failed(grpc_cluster), 2, every=0.05,
+                 what="interactive's hosts failed by the state health check")
+        assert hc_failures(http_cluster) > failures_before
+        with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as ch:  # the gRPC front spills too
+            call = pb_grpc.InferenceStub(ch).Generate(
+                pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hi")]), max_tokens=2, temperature=0),
+                timeout=60)
+            assert list(call)[-1].final.served_by == "batch/0"
         shed = httpx.post(gateway.base_url + "/v1/completions", json=completion, timeout=30)
         assert shed.status_code == 429 and shed.headers["x-infermesh-shed-by"] == "mesh", shed.text
         assert int(shed.headers["retry-after"]) >= 1 and shed.json()["error"]["code"] == "mesh_shedding"
@@ -581,9 +658,18 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
         wait_for(lambda: httpx.post(gateway.base_url + "/v1/completions", json=completion, timeout=30).status_code == 429,
                  10, every=0.02, what="batch shed for the idle degraded pool")
         idle_s = time.monotonic() - t0
-        print(f"[istiod] level 3 -> first spilled chat under traffic {traffic_s * 1000:.0f} ms; "
-              f"idle pool -> first shed request {idle_s * 1000:.0f} ms (probe)")
+        print(f"[istiod] level 3 -> first spilled chat under traffic {traffic_s * 1000:.0f} ms (health check: "
+              f"{hc_failures(http_cluster) - failures_before} failures, host failed_active_hc); "
+              f"idle pool -> first shed request {idle_s * 1000:.0f} ms (probe through {http_cluster})")
         assert traffic_s <= 1.0 and idle_s <= 2.0, (traffic_s, idle_s)
+        # Idle and out of rotation, the pool is still probed: the cluster's panic threshold (1 %,
+        # the patch's; Istio's 0 would leave the probe no host) sends the probe to it. Nothing
+        # else reaches interactive's HTTP cluster now (health checks are not requests).
+        wait_for(lambda: hc_failed(http_cluster), 2, every=0.05, what="the idle interactive host out of rotation")
+        probes, refusals = cluster_stat(http_cluster, "upstream_rq_200"), probe_refusals()
+        wait_for(lambda: cluster_stat(http_cluster, "upstream_rq_200") >= probes + 2, 5, every=0.1,
+                 what="the filter's probes answered by the pool out of rotation")
+        assert hc_failed(http_cluster) and probe_refusals() == refusals, (hc_failed(http_cluster), probe_refusals(), refusals)
         stats = httpx.get(f"http://127.0.0.1:{gateway.admin_port}/stats?filter=infermesh", timeout=5).text
         assert "no_cluster: 0" in stats or "no_cluster" not in stats, "the probe found the pools' Istio clusters"
     finally:

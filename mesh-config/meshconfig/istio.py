@@ -16,8 +16,17 @@ in order: per-pool header routes (where some route runs the filter), native head
 the default; the Wasm filter; the pool limits and retries) into release-independent Istio
 pieces; `resources()` and the Helm chart (charts/infermesh reads the same pieces from its `generated` values, which `infermesh policy
 render POLICY helm-values` writes) only add names, ports and where the module lives. charts/tests
-proves that the two assemblies give the same objects. What the local control plane does at run
-time (spill and shed while a pool is degraded) has no Istio counterpart; docs/kubernetes.md.
+proves that the two assemblies give the same objects.
+
+Degraded-mode routing (`when_degraded`) splits as in plain Envoy. Spill is Envoy's: the pools'
+EnvoyFilter gives a pool with `spill_to` the state endpoint's health check (`health_checks(grpc,
+below_level=at_level)`) on its two Istio clusters, adds per front an aggregate cluster
+(`infermesh-spill|PORT||HOST`: the pool's cluster, then the spill pool's) and points the pool's
+routes at it, so a replica at the level leaves rotation and Envoy's priority load sends its share
+to the spill pool. Shed is the filter's, which probes the pool's state through `outbound|PORT||HOST`
+(probe_cluster); Istio turns panic mode off on its clusters (healthy_panic_threshold 0 with
+outlier detection), so the patch sets 1 %: with every replica out of rotation the probe still
+reaches them. docs/kubernetes.md, "Degraded-mode routing (`when_degraded`) in Istio".
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from .envoy_resources import (
     Routing,
     circuit_breakers,
     cluster_name,
+    health_checks,
     local_code,
     on_pool_header,
     remote_code,
@@ -163,9 +173,11 @@ def check(policy: Policy, opts: IstioOptions) -> None:
 
 def envoy_form(policy: Policy) -> MeshListener:
     """The plain-Envoy listener whose routes the VirtualService translates. Hosts, ports and the
-    module path are placeholders: only the route table's shape is read. No failover pool stands
-    behind a pool at priority 1: a DestinationRule cannot add another Service's endpoints to a
-    cluster, so hedges go to the pool's other replicas only (docs/replicas.md, "Istio")."""
+    module path are placeholders: only the route table's shape is read. A pool with `spill_to`
+    has its failover pool behind it as in plain Envoy (the pools' EnvoyFilter's aggregate cluster
+    puts the spill pool's cluster after the pool's), so its hedges count that priority too; for
+    any other pool a DestinationRule cannot add another Service's endpoints, so hedges go to the
+    pool's other replicas only (docs/replicas.md, "Istio")."""
     return MeshListener(
         listen_host="0.0.0.0", listen_port=0, admin_port=0, wasm_path=Path("infermesh.wasm"),
         filter_config=policy.filter_config(),
@@ -173,6 +185,8 @@ def envoy_form(policy: Policy) -> MeshListener:
         pools=[PoolEndpoint.of(name, [("0.0.0.0", 1, 2)] * p.replicas) for name, p in policy.pools.items()],
         default_pool=policy.default_pool,
         routing=Routing.from_policy(policy),
+        failover=policy.failover(),
+        spill_levels=policy.spill_levels(),
     )
 
 
@@ -332,12 +346,18 @@ def chart_parts(policy: Policy) -> dict:
         trafficPolicy the DestinationRules' connection limits and outlier detection
         poolCluster   the pools' EnvoyFilter's CLUSTER patch: the load-balancing policy
         retryBudget   the plain-Envoy clusters' retry budget (a circuit-breaker threshold's)
+        spill         per pool with `when_degraded.spill_to`: {to (the spill pool), atLevel,
+                      cluster: {http, grpc} (the CLUSTER MERGE of its two clusters: the state
+                      endpoint's health check from atLevel on, panic mode back on at 1 %)}
+        spillCluster  the aggregate cluster of a spilling pool's front, without its name and
+                      its two clusters (the pool's, then the spill pool's; release-dependent)
     """
     check_policy(policy)
     m = envoy_form(policy)
     native = uses_native_rules(m)
-    # No probe clusters here: their names hold the release and namespace (probe_clusters below,
-    # the chart's filter.yaml adds the same).
+    # No probe clusters here: their names hold the release and namespace (plugin_config below,
+    # the chart's filter.yaml adds the same). The filter's degraded_routing lists only pools that
+    # shed; spill is Envoy's (the `spill` parts: health check and aggregate cluster).
     wasm = wasm_filter_config(policy.filter_config(probe_clusters={}), remote_code("", ""))
     del wasm["config"]["failure_policy"]
     return {
@@ -359,7 +379,41 @@ def chart_parts(policy: Policy) -> dict:
         "trafficPolicy": traffic_policy(),
         "poolCluster": {"load_balancing_policy": WEIGHTED_ROUND_ROBIN.policy()},
         "retryBudget": circuit_breakers(POOL_LIMITS)["thresholds"][0]["retry_budget"],
+        "spill": spill_parts(policy),
+        "spillCluster": copy.deepcopy(SPILL_CLUSTER),
     }
+
+
+SPILL_PANIC_THRESHOLD = 1
+"""healthy_panic_threshold (%) of a spilling pool's clusters. Istio sets 0 (panic off) where
+outlier detection is on; then, with every replica failing the state health check, the filter's
+probe through `outbound|PORT||HOST` would find no host and both pools down would fail every
+request. 1 %: panic (every host, healthy or not) only once no replica is in rotation (fewer than
+1 in 100), which is exactly when the aggregate cluster sends the pool nothing unless the spill pool
+is out too. Envoy rounds the percentage to an integer: 1 is the least that is not off."""
+
+SPILL_CLUSTER = {
+    "connect_timeout": POOL_LIMITS.connect_timeout,
+    "lb_policy": "CLUSTER_PROVIDED",
+    "cluster_type": {"name": "envoy.clusters.aggregate",
+                     "typed_config": {"@type": "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig"}},
+}
+"""A spilling pool's aggregate cluster, less its name and clusters: Envoy balances over the
+priorities of the two clusters as over one cluster's (the pool's at priority 0, the spill pool's
+next, with the overprovisioning factor 1.4) and picks the host with the chosen cluster's own load
+balancer; connections, limits and stats are the chosen cluster's, except max_retries, which the
+router takes from the aggregate too (pools_envoy_filter gives it the pools' threshold)."""
+
+
+def spill_parts(policy: Policy) -> dict:
+    """Per pool with `when_degraded.spill_to`: the spill pool, the level, and the CLUSTER MERGE
+    of its HTTP and gRPC clusters (envoy_resources' state health checks, panic mode at 1 %)."""
+    levels = policy.spill_levels()
+    panic = {"common_lb_config": {"healthy_panic_threshold": {"value": SPILL_PANIC_THRESHOLD}}}
+    return {pool: {"to": to, "atLevel": levels[pool],
+                   "cluster": {front: {"health_checks": health_checks(grpc, below_level=levels[pool]), **copy.deepcopy(panic)}
+                               for front, grpc in (("http", False), ("grpc", True))}}
+            for pool, to in sorted(policy.failover().items())}
 
 
 def go_json(value: Any) -> str:
@@ -460,11 +514,42 @@ def pool_thresholds(parts: dict, opts: IstioOptions) -> list[dict]:
              "retry_budget": copy.deepcopy(parts["retryBudget"]), "track_remaining": True}]
 
 
+def outbound_cluster(opts: IstioOptions, pool: str, grpc: bool = False) -> str:
+    """The Envoy cluster Istio gives a pool's port: `outbound|PORT||HOST`."""
+    return f"outbound|{opts.grpc_port if grpc else opts.http_port}||{opts.fqdn(pool_service_name(opts, pool))}"
+
+
+def spill_cluster_name(opts: IstioOptions, pool: str, grpc: bool = False) -> str:
+    """A spilling pool's aggregate cluster of one front: `infermesh-spill|PORT||HOST` (an ADDed
+    cluster: Istio applies no CLUSTER MERGE to it, though its name parses as the pool's)."""
+    return "infermesh-spill" + outbound_cluster(opts, pool, grpc).removeprefix("outbound")
+
+
+def spill_clusters(parts: dict, opts: IstioOptions) -> list[dict]:
+    """Per spilling pool and front, its aggregate cluster: the pool's Istio cluster, then the
+    spill pool's; the pools' circuit-breaker threshold (the router counts retries and hedges
+    against the aggregate's max_retries as well, Envoy's default 3 otherwise)."""
+    threshold = pool_thresholds(parts, opts)
+    if not opts.retry_budget:
+        del threshold[0]["retry_budget"]
+    out = []
+    for pool, spill in parts["spill"].items():
+        for grpc in (False, True):
+            c = {"name": spill_cluster_name(opts, pool, grpc), **copy.deepcopy(parts["spillCluster"])}
+            c["cluster_type"]["typed_config"]["clusters"] = [outbound_cluster(opts, pool, grpc), outbound_cluster(opts, spill["to"], grpc)]
+            c["circuit_breakers"] = {"thresholds": copy.deepcopy(threshold)}
+            out.append(c)
+    return out
+
+
 def pools_envoy_filter(parts: dict, opts: IstioOptions) -> dict:
     """The pools' EnvoyFilter, in the proxies that route (the filter's): per pool its clusters'
     load-balancing policy (client-side weighted round robin on the replicas' ORCA reports: a
     DestinationRule's loadBalancer has no such choice) and the retry budget (its connectionPool
-    has none); per route the retry and hedge policy the VirtualService cannot say."""
+    has none); per route the retry and hedge policy the VirtualService cannot say. Per pool with
+    `when_degraded.spill_to` (Envoy spills, not the filter): the state endpoint's health check on
+    its two clusters (`port_number` picks the front), an aggregate cluster per front, and its
+    routes sent to that aggregate (the VirtualService can only name the pool's Service)."""
     context = "GATEWAY" if opts.attach_to == "gateway" else "SIDECAR_OUTBOUND"
     patches: list[dict] = []
     for pool in parts["pools"]:
@@ -473,10 +558,19 @@ def pools_envoy_filter(parts: dict, opts: IstioOptions) -> dict:
         if opts.retry_budget:
             patches.append({"applyTo": "CLUSTER", "match": copy.deepcopy(match), "patch": {
                 "operation": "MERGE_AND_REPLACE_LIST", "value": {"circuit_breakers": {"thresholds": pool_thresholds(parts, opts)}}}})
+        if pool in parts["spill"]:
+            for front, port in (("http", opts.http_port), ("grpc", opts.grpc_port)):
+                patches.append({"applyTo": "CLUSTER", "match": {"context": context, "cluster": {**match["cluster"], "portNumber": port}},
+                                "patch": {"operation": "MERGE", "value": copy.deepcopy(parts["spill"][pool]["cluster"][front])}})
+    for c in spill_clusters(parts, opts):
+        patches.append({"applyTo": "CLUSTER", "match": {"context": context}, "patch": {"operation": "ADD", "value": c}})
     for route in parts["routes"]:
+        value = copy.deepcopy(route["envoyRoute"])
+        if route["pool"] in parts["spill"]:
+            value["route"]["cluster"] = spill_cluster_name(opts, route["pool"], route["grpc"])
         patches.append({"applyTo": "HTTP_ROUTE",
                         "match": {"context": context, "routeConfiguration": {"vhost": {"route": {"name": route["http"]["name"]}}}},
-                        "patch": {"operation": "MERGE", "value": copy.deepcopy(route["envoyRoute"])}})
+                        "patch": {"operation": "MERGE", "value": value}})
     return {
         "apiVersion": "networking.istio.io/v1alpha3",
         "kind": "EnvoyFilter",
@@ -536,8 +630,10 @@ def filter_chain_name(opts: IstioOptions) -> str:
 
 def probe_cluster(opts: IstioOptions, pool: str) -> str:
     """The Envoy cluster Istio gives a pool's HTTP port: `outbound|PORT||HOST` (the filter's
-    state probe calls it)."""
-    return f"outbound|{opts.http_port}||{opts.fqdn(pool_service_name(opts, pool))}"
+    state probe calls it). For a pool that also spills, the cluster health-checks the state: with
+    every replica out of rotation its panic threshold (SPILL_PANIC_THRESHOLD) still lets the probe
+    reach them; while some are in, the probe reaches those only."""
+    return outbound_cluster(opts, pool)
 
 
 def plugin_config(parts: dict, opts: IstioOptions) -> dict:

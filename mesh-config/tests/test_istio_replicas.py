@@ -15,6 +15,7 @@ from infermesh.meshconfig.policy import load_policy, parse_policy
 
 REPO = Path(__file__).resolve().parents[2]
 REPLICAS = load_policy(REPO / "e2e" / "policy-replicas-e2e.yaml")
+LOCAL = load_policy(REPO / "mesh-config" / "policies" / "local.yaml")
 OPTS = istio.IstioOptions(wasm_url="oci://registry.example.com/infermesh/filter:0.1.0", wasm_sha256="ab" * 32)
 PREVIOUS_PRIORITIES = "envoy.retry_priorities.previous_priorities"
 
@@ -45,9 +46,10 @@ def pools_filter(policy, opts=OPTS):
 
 
 def test_a_hedging_deadline_is_a_per_try_timeout_in_the_virtual_service_and_a_hedge_in_the_patch():
-    r, part = routes_by_name(REPLICAS)["class-interactive-pool-interactive"]
-    # Istio's own fields: attempts (the other replica, then Istio has no fallback priority: 2 as
-    # plain Envoy's floor), the conditions, the deadline as the per-try timeout.
+    # interactive only spills (Envoy's health check, no filter): its chat rule is a native route.
+    r, part = routes_by_name(REPLICAS)["rule-chat"]
+    # Istio's own fields: attempts (the other replica, then the spill pool behind the aggregate
+    # cluster: 2, plain Envoy's floor too), the conditions, the deadline as the per-try timeout.
     assert r["retries"] == {"attempts": 2, "retryOn": "connect-failure,refused-stream,reset", "perTryTimeout": "0.6s"}
     # The sidecar's own give-up limit: each of the 3 attempts had its deadline.
     assert r["headers"]["request"]["set"][TTFT_GIVE_UP_HEADER] == "1800"
@@ -97,7 +99,8 @@ def test_pool_clusters_get_weighted_round_robin_and_the_retry_budget():
     assert ef["metadata"] == {"name": "infermesh-pools", "namespace": "istio-ingress",
                               "labels": {"app.kubernetes.io/name": "infermesh", "app.kubernetes.io/instance": "infermesh"}}
     assert ef["spec"]["workloadSelector"] == {"labels": {"istio": "ingress"}}
-    clusters = [p for p in ef["spec"]["configPatches"] if p["applyTo"] == "CLUSTER"]
+    # (the spilling pool's health checks and aggregate clusters: test_istio_spill.py)
+    clusters = [p for p in ef["spec"]["configPatches"] if p["applyTo"] == "CLUSTER" and "portNumber" not in p["match"].get("cluster", {"portNumber": 0})]
     services = {p["match"]["cluster"]["service"] for p in clusters}
     assert services == {f"infermesh-{p}.infermesh.svc.cluster.local" for p in REPLICAS.pools}
     for p in clusters:
@@ -123,7 +126,8 @@ def test_the_threshold_follows_the_values_overrides_and_the_budget_can_be_left_o
     assert t["max_connections"] == 100 and t["max_requests"] == 4096
     assert {p["match"]["context"] for p in ef["spec"]["configPatches"]} == {"SIDECAR_OUTBOUND"}
     no_budget = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=OPTS.wasm_sha256, retry_budget=False)
-    assert {p["patch"]["operation"] for p in pools_filter(REPLICAS, no_budget)["spec"]["configPatches"]} == {"MERGE"}
+    assert {p["patch"]["operation"] for p in pools_filter(REPLICAS, no_budget)["spec"]["configPatches"]} == {"MERGE", "ADD"}  # ADD: aggregates
+    assert not any(p["patch"]["operation"] == "MERGE_AND_REPLACE_LIST" for p in pools_filter(parse_policy(THREE), no_budget)["spec"]["configPatches"])
 
 
 def test_real_envoy_accepts_the_pools_patches_merged_into_what_istiod_builds(envoy_accepts):
@@ -157,9 +161,11 @@ def test_real_envoy_accepts_the_pools_patches_merged_into_what_istiod_builds(env
     envoy_accepts(hcm, [cluster])
 
 
-@pytest.mark.parametrize(("policy", "name"), [(THREE, "rule-chat"), (THREE, "default-pool-grpc"), (REPLICAS, "class-pool-interactive"),
-                                              (REPLICAS, "class-interactive-pool-interactive-grpc"), (REPLICAS, "filter-chat")])
+@pytest.mark.parametrize(("policy", "name"), [(THREE, "rule-chat"), (THREE, "default-pool-grpc"), (REPLICAS, "rule-chat"),
+                                              (REPLICAS, "rule-chat-grpc"), (REPLICAS, "default-pool"), (LOCAL, "class-pool-interactive"),
+                                              (LOCAL, "class-pool-batch-grpc"), (LOCAL, "filter-chat-bulk")])
 def test_no_client_sees_a_load_report_on_any_route(policy, name):
-    # THREE decides every request natively (it has no pool-header routes); REPLICAS' filter does.
+    # THREE and REPLICAS (it only spills) decide every request natively (no pool-header routes);
+    # LOCAL's filter decides some (it sheds).
     r, _ = routes_by_name(parse_policy(policy) if isinstance(policy, str) else policy)[name]
     assert ORCA_HEADER in r["headers"]["response"]["remove"]
