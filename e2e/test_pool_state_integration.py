@@ -277,3 +277,21 @@ def test_a_sidecar_that_answers_garbage_or_a_state_endpoint_that_fails_leaves_ro
     assert metric(admin_url, "infermesh_pool_state_errors_total", reason="no_cluster") > 0
     back_to_normal(base, sidecars)
 
+
+
+def test_when_the_spill_pool_is_at_the_level_too_envoy_spreads_over_both(mesh):
+    """Both pools' endpoints fail interactive's state check: Envoy's panic mode routes over all of
+    them (both pools serve; 58/42 and 73/27 of 100 in two runs), so nothing is refused for want
+    of a healthy pool (docs/filter.md, "Several replicas")."""
+    base, admin_url, sidecars = mesh
+    back_to_normal(base, sidecars)
+    sidecars["interactive"].level = sidecars["batch"].level = 3
+    until("batch's endpoints out of interactive's cluster too", lambda: not any(
+        line.endswith("::healthy") for line in urllib.request.urlopen(admin_url + "/clusters", timeout=5).read().decode().splitlines()
+        if line.startswith("pool_interactive::") and "::health_flags::" in line), 5)
+    got = [chat(base) for _ in range(100)]
+    assert all(status == 200 for status, _, _ in got)
+    served = {pool: sum(r[2]["upstream"] == pool for r in got) for pool in ("interactive", "batch")}
+    print(f"[pool-state] plain Envoy, both pools at the level: chats served {served}")
+    assert min(served.values()) >= 5, served
+    back_to_normal(base, sidecars)

@@ -237,6 +237,7 @@ PROFILE = {
     "body-profile-module": ("body", SKIPS["none"]),
     "headers-degraded-no-probe": ("headers-degraded", _no_probes),
     "headers-degraded-no-checks": ("headers-degraded", _no_health_checks),
+    "headers-degraded-no-timers": ("headers-degraded", lambda cfg: (_no_health_checks(cfg), _no_probes(cfg))),
     "headers-only-keep-level": ("headers-only", _keep_level_header),
     **{f"body-{part}": ("body", SKIPS[part]) for part in ("no-pause", "no-copy", "no-scan", "no-write")},
     **ISTIO_PROFILE,
