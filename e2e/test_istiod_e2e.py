@@ -364,7 +364,7 @@ def test_istiod_applies_the_route_patches(gateway):
         assert off is ("typed_per_filter_config" in want), (name, r)
     if gateway.form.body_rules:
         assert all(r.get("per_request_buffer_limit_bytes") == 3 * 1024 * 1024 for r in routes.values())
-    # Native routes exist only for rules whose class `when_degraded` can never spill or shed (the
+    # Native routes exist only for rules whose class `when_degraded` can never shed (the
     # filter decides the others, to be able to act on them: issue 19); say so when none is left.
     policy = yaml.safe_load(DEFAULT_POLICY.read_text()) if gateway.form.policy is None else gateway.form.policy
     routing = Routing.from_policy(parse_policy(yaml.safe_dump(policy)))

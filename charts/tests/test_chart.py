@@ -543,7 +543,7 @@ def test_the_charts_routes_decide_every_request_as_the_plain_envoy_routes(helm, 
         outcome = both(req)
         if strips:  # native rules: a route decides exactly where the filter would on the headers alone
             head = filter_head_decision(policy, req.stripped())
-            # ... unless when_degraded may spill or shed the class: the filter applies it.
+            # ... unless when_degraded may shed the class: the filter applies it.
             assert outcome.filter_runs == (head is None or head[0] in degradable), (req, outcome, head)
             head = None if outcome.filter_runs else head
             if head is not None:

@@ -540,8 +540,8 @@ def route_config(m: MeshListener) -> dict:
 #      that needs the body becomes a route on its method/path/header conditions with the filter
 #      on (the filter then decides with every rule, so first-match order holds); a condition
 #      only the filter judges (a regex: Rust's regex and Envoy's RE2 differ) ends the list with a
-#      catch-all filter route; a rule of a class `when_degraded` may spill or shed is a filter
-#      route like a body rule (the filter applies `when_degraded`);
+#      catch-all filter route; a rule of a class `when_degraded` may shed is a filter route like
+#      a body rule (the filter sheds; a spill is the clusters' health check, no route of its own);
 #   3. the default class's route.
 # Client-sent x-infermesh-* headers are removed before any route is chosen (the HCM's early
 # header mutation), so no client can reach the step-1 routes with a header of its own.
