@@ -8,6 +8,7 @@ token counters on /metrics (read straight from each sidecar, not through Envoy) 
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 import grpc
@@ -183,10 +184,20 @@ def test_the_mesh_serves_the_same_with_the_native_filter_runtime(local_mesh, cli
     good = path.read_text()
     assert "\nfilter:" not in good
     chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    def decided_by(runtime: str, above: float) -> bool:
+        # The switch is a new listener filter chain: Envoy drains the old listener's keep-alive
+        # connections, and a request this client (max_retries=0) sends on one as it closes is
+        # cut ("Server disconnected"). While polling for the switch, that is not an answer yet.
+        try:
+            client.chat.completions.create(**chat)
+        except openai.APIConnectionError:
+            return False
+        return filter_count(local_mesh, runtime, "chat", "interactive") > above
+
     try:
         path.write_text(good.replace("\npools:\n", "\nfilter:\n  runtime: native\npools:\n", 1))
-        wait_until(lambda: client.chat.completions.create(**chat) and filter_count(local_mesh, "dynamicmodulescustom", "chat", "interactive") > 0,
-                   20, every=0.2, what="the native module deciding chats")
+        wait_until(lambda: decided_by("dynamicmodulescustom", 0), 20, every=0.2, what="the native module deciding chats")
         raw = client.chat.completions.with_raw_response.create(**chat, stream=True)
         assert raw.headers["x-infermesh-served-by"] == "interactive/0"
         assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
@@ -201,5 +212,5 @@ def test_the_mesh_serves_the_same_with_the_native_filter_runtime(local_mesh, cli
     finally:
         path.write_text(good)
         before = filter_count(local_mesh, "wasmcustom", "chat", "interactive")
-        wait_until(lambda: client.chat.completions.create(**chat) and filter_count(local_mesh, "wasmcustom", "chat", "interactive") > before,
-                   20, every=0.2, what="the Wasm filter deciding chats again")
+        wait_until(lambda: decided_by("wasmcustom", before), 20, every=0.2, what="the Wasm filter deciding chats again")
+        time.sleep(1.5)  # the old listener's drain (the launcher's --drain-time-s 1) is over before the next test

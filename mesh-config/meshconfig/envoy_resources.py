@@ -417,18 +417,20 @@ def health_checks(grpc: bool, below_level: int | None = None) -> list[dict]:
     Spill (`below_level` N, a pool with `when_degraded.spill_to`): the sidecar's state endpoint,
     HTTP `/infermesh/state?healthy_below=N`, gRPC `infermesh.pool.below_level.N`, fails from
     level N on and while not serving. Every 0.25 s, traffic or not: HTTP's 503 takes the host out
-    at once (Envoy skips `unhealthy_threshold` for a status), gRPC's NOT_SERVING after two (a
-    spill within ~0.25 / 0.5 s, idle or not); back after four passes in a row (1 s of hysteresis,
-    so a level that flickers at the boundary does not flap the route). A sidecar that hangs is
-    out after two 1 s timeouts, as with /health."""
+    at once (Envoy skips `unhealthy_threshold` for a status), gRPC's NOT_SERVING and a refused
+    connection after three (a spill within ~0.25 / 0.75 s, idle or not); back after four passes
+    in a row (1 s of hysteresis, so a level that flickers at the boundary does not flap the
+    route). A timeout is 2 s and takes three in a row: a sidecar whose event loop stalls for a
+    second on a busy machine (seen on the 2-core CI at start-up, with 1 s and two) stays in
+    rotation; one that hangs is out after ~7 s, as /health took ~4 s."""
     if below_level is None:
         check = {"grpc_health_check": {"service_name": GRPC_HEALTH_SERVICE}} if grpc else {"http_health_check": {"path": "/health"}}
         return [{"timeout": "1s", "interval": "2s", "unhealthy_interval": "0.5s", "no_traffic_interval": "2s",
                  "unhealthy_threshold": 2, "healthy_threshold": 1, **check}]
     check = ({"grpc_health_check": {"service_name": f"infermesh.pool.below_level.{below_level}"}} if grpc
              else {"http_health_check": {"path": f"{STATE_PATH}?healthy_below={below_level}"}})
-    return [{"timeout": "1s", "interval": "0.25s", "unhealthy_interval": "0.25s", "no_traffic_interval": "0.25s",
-             "no_traffic_healthy_interval": "0.25s", "unhealthy_threshold": 2, "healthy_threshold": 4, **check}]
+    return [{"timeout": "2s", "interval": "0.25s", "unhealthy_interval": "0.25s", "no_traffic_interval": "0.25s",
+             "no_traffic_healthy_interval": "0.25s", "unhealthy_threshold": 3, "healthy_threshold": 4, **check}]
 
 
 STATE_PATH = "/infermesh/state"

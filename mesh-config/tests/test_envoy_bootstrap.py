@@ -165,7 +165,8 @@ def test_the_spill_pool_backs_the_pool_at_priority_one():
     # host leaves rotation and the priority load goes to batch. batch's is liveness only.
     (hc,) = clusters["pool_interactive"]["health_checks"]
     assert hc["http_health_check"]["path"] == f"/infermesh/state?healthy_below={plan.policy.spill_levels()['interactive']}"
-    assert (hc["interval"], hc["no_traffic_interval"], hc["unhealthy_threshold"], hc["healthy_threshold"]) == ("0.25s", "0.25s", 2, 4)
+    assert (hc["interval"], hc["no_traffic_interval"], hc["unhealthy_threshold"], hc["healthy_threshold"]) == ("0.25s", "0.25s", 3, 4)
+    assert hc["timeout"] == "2s", "a second's stall of a busy sidecar is no spill"
     (hc,) = clusters["pool_interactive_grpc"]["health_checks"]
     assert hc["grpc_health_check"]["service_name"] == f"infermesh.pool.below_level.{plan.policy.spill_levels()['interactive']}"
     assert clusters["pool_batch"]["health_checks"][0]["http_health_check"]["path"] == "/health"
