@@ -433,6 +433,11 @@ def health_checks(grpc: bool, below_level: int | None = None) -> list[dict]:
              "no_traffic_healthy_interval": "0.25s", "unhealthy_threshold": 3, "healthy_threshold": 4, **check}]
 
 
+HEALTH_UPDATES_AT_ONCE = {"update_merge_window": "0s"}
+"""A host's health change reaches the workers' load balancers at once. Envoy merges them over a
+1 s window by default, so a replica that left rotation (a spill) or came back (start-up, recovery)
+was still picked the old way for up to a second after its health check said so."""
+
 STATE_PATH = "/infermesh/state"
 """The sidecars' read-only state endpoint (sidecar/state_api.py)."""
 
@@ -705,6 +710,7 @@ def cluster(m: MeshListener, p: PoolEndpoint, grpc: bool, *, eds: bool, limits: 
         "circuit_breakers": circuit_breakers(limits),
         "outlier_detection": outlier_detection(limits),
         "health_checks": health_checks(grpc, m.spill_levels.get(p.pool) if m.failover.get(p.pool) else None),
+        "common_lb_config": dict(HEALTH_UPDATES_AT_ONCE),
         "load_balancing_policy": WEIGHTED_ROUND_ROBIN.policy(),
     }
     if eds:

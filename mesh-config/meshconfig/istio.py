@@ -44,6 +44,7 @@ import yaml
 
 from .envoy_resources import (
     GRPC_CONTENT_TYPE,
+    HEALTH_UPDATES_AT_ONCE,
     ORCA_HEADER,
     POOL_LIMITS,
     REQUEST_BUFFER_LIMIT_BYTES,
@@ -409,7 +410,7 @@ def spill_parts(policy: Policy) -> dict:
     """Per pool with `when_degraded.spill_to`: the spill pool, the level, and the CLUSTER MERGE
     of its HTTP and gRPC clusters (envoy_resources' state health checks, panic mode at 1 %)."""
     levels = policy.spill_levels()
-    panic = {"common_lb_config": {"healthy_panic_threshold": {"value": SPILL_PANIC_THRESHOLD}}}
+    panic = {"common_lb_config": {"healthy_panic_threshold": {"value": SPILL_PANIC_THRESHOLD}, **HEALTH_UPDATES_AT_ONCE}}
     return {pool: {"to": to, "atLevel": levels[pool],
                    "cluster": {front: {"health_checks": health_checks(grpc, below_level=levels[pool]), **copy.deepcopy(panic)}
                                for front, grpc in (("http", False), ("grpc", True))}}

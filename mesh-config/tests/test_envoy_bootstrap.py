@@ -70,6 +70,8 @@ def test_http_and_grpc_route_and_cluster_per_pool_plus_default():
             assert "http2_protocol_options" in json.dumps(c["typed_extension_protocol_options"])
         else:
             assert spills or hc["http_health_check"]["path"] == "/health"
+        # A health change reaches the workers' load balancers at once, not after Envoy's 1 s merge.
+        assert c["common_lb_config"]["update_merge_window"] == "0s"
         od = c["outlier_detection"]
         assert od["split_external_local_origin_errors"] and od["enforcing_consecutive_5xx"] == 0, "shedding is not a fault"
         assert c["circuit_breakers"]["thresholds"][0]["max_requests"] > 0

@@ -31,7 +31,8 @@ def test_the_spilling_pools_clusters_health_check_its_state_from_at_level_with_p
     for p, grpc in zip(hc, (False, True)):
         assert p["match"]["context"] == "GATEWAY" and p["patch"]["operation"] == "MERGE"
         assert p["patch"]["value"] == {"health_checks": health_checks(grpc, below_level=3),
-                                       "common_lb_config": {"healthy_panic_threshold": {"value": istio.SPILL_PANIC_THRESHOLD}}}
+                                       "common_lb_config": {"healthy_panic_threshold": {"value": istio.SPILL_PANIC_THRESHOLD},
+                                                            "update_merge_window": "0s"}}
     check = hc[0]["patch"]["value"]["health_checks"][0]
     assert check["http_health_check"]["path"] == "/infermesh/state?healthy_below=3"
     assert hc[1]["patch"]["value"]["health_checks"][0]["grpc_health_check"]["service_name"] == "infermesh.pool.below_level.3"
@@ -76,8 +77,8 @@ def test_the_filter_only_sheds_probing_the_pools_istio_cluster():
         "at_level": 3, "shed_classes": ["batch"], "probe_cluster": f"outbound|8000||{HOST.format('interactive')}"}}
     assert istio.probe_cluster(OPTS, "interactive") == istio.outbound_cluster(OPTS, "interactive")
     assert parts["spill"] == {"interactive": {"to": "batch", "atLevel": 3, "cluster": {
-        "http": {"health_checks": health_checks(False, below_level=3), "common_lb_config": {"healthy_panic_threshold": {"value": 1}}},
-        "grpc": {"health_checks": health_checks(True, below_level=3), "common_lb_config": {"healthy_panic_threshold": {"value": 1}}}}}}
+        "http": {"health_checks": health_checks(False, below_level=3), "common_lb_config": {"healthy_panic_threshold": {"value": 1}, "update_merge_window": "0s"}},
+        "grpc": {"health_checks": health_checks(True, below_level=3), "common_lb_config": {"healthy_panic_threshold": {"value": 1}, "update_merge_window": "0s"}}}}}
 
 
 def test_a_policy_that_never_spills_gets_none_of_it():
@@ -138,6 +139,7 @@ def test_real_envoy_accepts_the_spill_patches_merged_into_what_istiod_builds(env
                         c = _merge(c, p["patch"]["value"])
             if pool == "interactive":
                 assert c["health_checks"] and c["common_lb_config"]["healthy_panic_threshold"]["value"] == 1
+                assert c["common_lb_config"]["update_merge_window"] == "0s"
                 assert c["load_balancing_policy"] == WEIGHTED_ROUND_ROBIN.policy()
             clusters.append(c)
     clusters += [p["patch"]["value"] for p in ps if p["patch"]["operation"] == "ADD"]
