@@ -421,8 +421,8 @@ def health_checks(grpc: bool, below_level: int | None = None) -> list[dict]:
     connection after three (a spill within ~0.25 / 0.75 s, idle or not); back after four passes
     in a row (1 s of hysteresis, so a level that flickers at the boundary does not flap the
     route). A timeout is 2 s and takes three in a row: a sidecar whose event loop stalls for a
-    second on a busy machine (seen on the 2-core CI at start-up, with 1 s and two) stays in
-    rotation; one that hangs is out after ~7 s, as /health took ~4 s."""
+    second on a busy machine stays in rotation; one that hangs is out after ~7 s, as /health
+    took ~4 s."""
     if below_level is None:
         check = {"grpc_health_check": {"service_name": GRPC_HEALTH_SERVICE}} if grpc else {"http_health_check": {"path": "/health"}}
         return [{"timeout": "1s", "interval": "2s", "unhealthy_interval": "0.5s", "no_traffic_interval": "2s",
