@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from e2e.test_filter_envoy_integration import FILTER_CONFIG, EnvoyUnderTest
-from e2e.test_pool_state_integration import LEVEL, batch, chat, get, pool_state_mesh, request, until
+from e2e.test_pool_state_integration import (
+    LEVEL, STATE_FAULTS, back_to_normal, batch, chat, get, pool_state_mesh, request, unreadable_state_leaves_routing_normal, until)
 from infermesh import paths
 
 sys.path.insert(0, str(paths.REPO_ROOT / "filter" / "bench"))
@@ -198,16 +199,9 @@ def mesh(native_so, tmp_path_factory):
     yield from pool_state_mesh(tmp_path_factory.mktemp("native-pool-state"), native_module=native_so)
 
 
-def normal(base: str, sidecars: dict) -> None:
-    for s in sidecars.values():
-        s.level, s.header, s.state = 0, "ok", "ok"
-    until("chats back on the interactive pool", lambda: chat(base)[2]["upstream"] == "interactive", 10, every=0.1)
-    until("batch served again", lambda: batch(base)[0] == 200, 10, every=0.1)
-
-
 def test_the_level_header_never_reaches_the_client_and_cannot_be_faked(mesh):
     base, _, sidecars = mesh
-    normal(base, sidecars)
+    back_to_normal(base, sidecars)
     status, headers, got = chat(base)
     assert status == 200 and got["upstream"] == "interactive"
     assert LEVEL not in {k.lower() for k in headers}
@@ -219,7 +213,7 @@ def test_the_level_header_never_reaches_the_client_and_cannot_be_faked(mesh):
 
 def test_a_degraded_pool_spills_within_a_second_sheds_batch_and_recovers(mesh):
     base, admin_url, sidecars = mesh
-    normal(base, sidecars)
+    back_to_normal(base, sidecars)
     before = stats(admin_url)
     failed_checks = envoy_stat(admin_url, "cluster.pool_interactive.health_check.failure")
     sidecars["interactive"].level = 3
@@ -249,7 +243,7 @@ def test_a_degraded_pool_spills_within_a_second_sheds_batch_and_recovers(mesh):
 
 def test_an_idle_pool_is_learned_by_the_probe_within_two_seconds(mesh):
     base, _, sidecars = mesh
-    normal(base, sidecars)
+    back_to_normal(base, sidecars)
     time.sleep(1.0)  # no chat since: only the probe reads the interactive pool
     probes = sidecars["interactive"].probes
     sidecars["interactive"].level = 3
@@ -262,29 +256,11 @@ def test_an_idle_pool_is_learned_by_the_probe_within_two_seconds(mesh):
     rate = (sidecars["interactive"].probes - n0) / (time.monotonic() - t0)
     assert rate <= 2.6, f"{rate:.1f} probes/s"
     assert batch(base)[0] == 429
-    normal(base, sidecars)
+    back_to_normal(base, sidecars)
 
 
-@pytest.mark.parametrize("fault, reason", [("garbage", "bad_header"), ("500", "probe_status"), ("hang", "probe_status")])
+@pytest.mark.parametrize("fault, reason", STATE_FAULTS)
 def test_garbage_levels_and_failing_probes_leave_routing_normal(mesh, fault, reason):
     base, admin_url, sidecars = mesh
-    normal(base, sidecars)
-    s = sidecars["interactive"]
-    name = f"infermesh.pool_state_errors_total.reason.{reason}"
-    before = stats(admin_url).get(name, 0)
-    s.level = 3  # the pool is degraded, but what it says of it cannot be read
-    if fault == "garbage":
-        s.header = "garbage"
-        # The health check reads the state endpoint's status, not the header: the spill holds;
-        # the filter cannot read the level, so nothing is shed (below).
-        until("chats spilled by the health check", lambda: chat(base)[2]["upstream"] == "batch", 5)
-        for _ in range(10):
-            status, _, got = chat(base)
-            assert status == 200 and got["upstream"] == "batch"
-    else:
-        s.state = fault
-        time.sleep(3)  # no traffic: only the probe, which fails (and the health check: spilled)
-    until(f"{reason} counted", lambda: stats(admin_url).get(name, 0) > before, 5, every=0.1)
-    assert batch(base)[0] == 200 and chat(base)[0] == 200
-    assert stats(admin_url).get("infermesh.pool_state_errors_total.reason.no_cluster", 0) > 0, "the pool whose cluster is gone"
-    normal(base, sidecars)
+    unreadable_state_leaves_routing_normal(
+        base, sidecars, fault, reason, lambda r: stats(admin_url).get(f"infermesh.pool_state_errors_total.reason.{r}", 0))

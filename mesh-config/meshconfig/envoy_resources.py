@@ -433,10 +433,14 @@ def health_checks(grpc: bool, below_level: int | None = None) -> list[dict]:
              "no_traffic_healthy_interval": "0.25s", "unhealthy_threshold": 3, "healthy_threshold": 4, **check}]
 
 
-HEALTH_UPDATES_AT_ONCE = {"update_merge_window": "0s"}
-"""A host's health change reaches the workers' load balancers at once. Envoy merges them over a
-1 s window by default, so a replica that left rotation (a spill) or came back (start-up, recovery)
-was still picked the old way for up to a second after its health check said so."""
+def common_lb_config(healthy_panic_threshold: int | None = None) -> dict:
+    """A pool cluster's `common_lb_config`: a host's health change reaches the workers' load
+    balancers at once (`update_merge_window: 0s`). Envoy merges them over 1 s by default, so a
+    replica that left rotation (a spill) or came back (start-up, recovery) was still picked the
+    old way for up to a second after its health check said so."""
+    panic = {} if healthy_panic_threshold is None else {"healthy_panic_threshold": {"value": healthy_panic_threshold}}
+    return {**panic, "update_merge_window": "0s"}
+
 
 STATE_PATH = "/infermesh/state"
 """The sidecars' read-only state endpoint (sidecar/state_api.py)."""
@@ -710,7 +714,7 @@ def cluster(m: MeshListener, p: PoolEndpoint, grpc: bool, *, eds: bool, limits: 
         "circuit_breakers": circuit_breakers(limits),
         "outlier_detection": outlier_detection(limits),
         "health_checks": health_checks(grpc, m.spill_levels.get(p.pool) if m.failover.get(p.pool) else None),
-        "common_lb_config": dict(HEALTH_UPDATES_AT_ONCE),
+        "common_lb_config": common_lb_config(),
         "load_balancing_policy": WEIGHTED_ROUND_ROBIN.policy(),
     }
     if eds:

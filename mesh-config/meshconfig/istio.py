@@ -44,7 +44,6 @@ import yaml
 
 from .envoy_resources import (
     GRPC_CONTENT_TYPE,
-    HEALTH_UPDATES_AT_ONCE,
     ORCA_HEADER,
     POOL_LIMITS,
     REQUEST_BUFFER_LIMIT_BYTES,
@@ -57,6 +56,7 @@ from .envoy_resources import (
     Routing,
     circuit_breakers,
     cluster_name,
+    common_lb_config,
     health_checks,
     local_code,
     on_pool_header,
@@ -410,9 +410,9 @@ def spill_parts(policy: Policy) -> dict:
     """Per pool with `when_degraded.spill_to`: the spill pool, the level, and the CLUSTER MERGE
     of its HTTP and gRPC clusters (envoy_resources' state health checks, panic mode at 1 %)."""
     levels = policy.spill_levels()
-    panic = {"common_lb_config": {"healthy_panic_threshold": {"value": SPILL_PANIC_THRESHOLD}, **HEALTH_UPDATES_AT_ONCE}}
     return {pool: {"to": to, "atLevel": levels[pool],
-                   "cluster": {front: {"health_checks": health_checks(grpc, below_level=levels[pool]), **copy.deepcopy(panic)}
+                   "cluster": {front: {"health_checks": health_checks(grpc, below_level=levels[pool]),
+                                       "common_lb_config": common_lb_config(SPILL_PANIC_THRESHOLD)}
                                for front, grpc in (("http", False), ("grpc", True))}}
             for pool, to in sorted(policy.failover().items())}
 
