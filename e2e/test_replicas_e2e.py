@@ -142,6 +142,13 @@ def test_a_loaded_replica_gets_fewer_new_requests_from_its_own_reports(mesh):
     try:
         time.sleep(2)
         assert statuses == [200] * len(loaders), statuses  # the load is real
+        # Envoy learns the load only from the responses it routes (the loaders go to the sidecar
+        # directly) and counts a report after its blackout period: chats until its weights show it.
+        loaded, other = (mesh.plan.replica("interactive", i).http_port for i in (0, 1))
+        deadline = time.monotonic() + 15
+        while not (w := host_stat(mesh, "weight")).get(loaded, 0) < w.get(other, 0):
+            assert time.monotonic() < deadline, f"Envoy never weighed the loaded replica down: {w}"
+            chat(mesh.base_url, max_tokens=4)
         served = [chat(mesh.base_url, max_tokens=4)["served_by"] for _ in range(30)]
         weights = host_stat(mesh, "weight")
     finally:

@@ -191,6 +191,10 @@ class Drill:
                     t = self.now()
                     try:
                         st = (await admin.get(self.mesh.admin_url(pool) + "/admin/state")).json()
+                    except httpx.TimeoutException:
+                        # Slow to answer is not down (a sidecar that has just loaded its models
+                        # is busy); down is a refused or broken connection, or a bad answer.
+                        continue
                     except (httpx.HTTPError, ValueError):
                         self.samples.append(Sample(t, pool, up=False))
                         continue

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from infermesh.meshconfig.envoy_resources import health_checks
+
 OUTCOMES = ("ok", "degraded", "shed", "rejected", "abandoned", "interrupted", "failed", "lost")
 SUCCESS = ("ok", "degraded")
 TRAFFIC = ("interactive", "batch")
@@ -31,6 +33,17 @@ LEVEL_NAMES = {0: "normal", 1: "shedding", 2: "fallback model", 3: "critical onl
 
 REACTION_LIMIT_S = 1.0
 """Degradation must show within this long of the threshold being sustained (the issue's bar)."""
+
+
+def _route_recovery_s() -> float:
+    # The state health check puts a recovered replica back after `healthy_threshold` passes in a
+    # row (hysteresis by design); the same reaction limit as degrading applies after that.
+    hc = health_checks(False, below_level=1)[0]
+    return hc["healthy_threshold"] * float(hc["interval"].rstrip("s")) + REACTION_LIMIT_S
+
+
+ROUTE_RECOVERY_S = _route_recovery_s()
+"""Normal service is required from this long after the fault pool is back to normal (2 s)."""
 MIN_INTERACTIVE_SUCCESS = 0.99
 
 
@@ -286,7 +299,7 @@ def build_report(scenario: str, summary: str, exp: Expectation, requests: list[R
     times["time_to_recover_s"] = None if rec is None else round(rec - marks.clear, 3)
     checks.append(("recovered after the fault ended", rec is not None, f"{times['time_to_recover_s']} s"))
     if rec is not None and exp.fault_pool is not None:
-        after = [r for r in affected if r.sent >= rec + 1.0]
+        after = [r for r in affected if r.sent >= rec + ROUTE_RECOVERY_S]
         normal_after = sum(1 for r in after if r.outcome == "ok")
         checks.append(("served normally after recovery", bool(after) and normal_after == len(after), f"{normal_after}/{len(after)}"))
     flaps = []

@@ -3,7 +3,8 @@ flapping. The e2e drills (e2e/test_drills_e2e.py) produce the same records from 
 
 from __future__ import annotations
 
-from infermesh.drill_report import Expectation, Marks, Request, Sample, build_report, classify, due_time, format_report, plot_report
+from infermesh.drill_report import (
+    ROUTE_RECOVERY_S, Expectation, Marks, Request, Sample, build_report, classify, due_time, format_report, plot_report)
 
 HOME = {"interactive": "interactive", "batch": "batch"}
 
@@ -131,3 +132,21 @@ def test_streams_cut_by_the_kill_do_not_count_against_interactive_success():
     reqs.append(Request("interactive", 8.0, 8.5, 200, "body", False, served_by="interactive/0"))
     rep = build_report("sidecar-kill", "synthetic", exp, reqs, samples, marks, ["interactive", "batch"])
     assert "zero unexpected failures" in {c["name"] for c in rep["checks"] if not c["passed"]}
+
+
+def _degraded_until(reqs: list[Request], start: float, until: float) -> None:
+    for i, r in enumerate(reqs):
+        if r.kind == "interactive" and start <= r.sent < until:
+            reqs[i] = ok("interactive", r.sent, model="small", degraded=True)
+
+
+def test_normal_service_is_due_once_the_health_checks_hysteresis_and_the_reaction_limit_have_passed():
+    # The pool is back at 20.0 s; Envoy's state health check takes it back after 4 passes of
+    # 0.25 s (envoy_resources.health_checks), then the 1 s reaction limit: normal from 22.0 s.
+    assert ROUTE_RECOVERY_S == 2.0
+    for until, passes in ((21.75, True), (22.5, False)):
+        exp, reqs, samples, marks = _kv_drill()
+        _degraded_until(reqs, 20.0, until)
+        rep = build_report("kv-cache", "synthetic", exp, reqs, samples, marks, ["interactive", "batch"])
+        check = next(c for c in rep["checks"] if c["name"] == "served normally after recovery")
+        assert check["passed"] is passes, (until, check)
