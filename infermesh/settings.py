@@ -91,6 +91,24 @@ class ClassSettings(Strict):
     vllm_priority: Annotated[int, Field(ge=-1000, le=1000)] | None = None
     """Passed to vLLM as the request priority; any class that sets it turns on vLLM's priority
     scheduler (otherwise first come, first served)."""
+    ttft_target_ms: Annotated[int, Field(ge=10, le=600_000)] | None = None
+    """Time to first token a request of this class is admitted for: a sidecar admits it only when
+    what its pool is measured to serve says the first token comes by then, and refuses one that
+    waits for an engine slot as soon as it no longer can (429 with Retry-After, before vLLM sees
+    it; docs/sidecar.md, "Time-bounded admission"). Default: 1000 for a class that is not
+    `sheddable`, 10000 for a sheddable one."""
+
+    @property
+    def ttft_target_s(self) -> float:
+        """`ttft_target_ms` in seconds, its default filled in."""
+        if self.ttft_target_ms is not None:
+            return self.ttft_target_ms / 1000.0
+        return DEFAULT_TTFT_TARGET_S[self.sheddable]
+
+
+DEFAULT_TTFT_TARGET_S: dict[bool, float] = {False: 1.0, True: 10.0}
+"""A class's TTFT target when it sets none, by `sheddable`: a waiting person's second; bulk work
+that may wait, but not past a client's patience (the bench's client waits 20 s)."""
 
 
 # ---- per model ------------------------------------------------------------------------------

@@ -4,12 +4,24 @@ It refuses while loading or draining, applies the breakers' actions (`critical_o
 the top class, `shed` refuses sheddable classes), the concurrency limit and unique request ids,
 and picks the model (the ladder's fallback while the pool is degraded). It also keeps the table
 of requests in flight, which the lifecycle empties on release.
+
+Time-bounded admission (EngineSlots): each model hands vLLM at most `max_num_seqs` requests at
+once (what it batches; more would wait in vLLM's scheduler, out of reach); the others wait here,
+by class priority, then arrival. What waits is bounded by time: a request is admitted only when
+its estimated first token (its place in line over the pool's measured rate, plus vLLM's measured
+time to a first token) comes within its class's TTFT target, and one that waits is refused as
+soon as it no longer can, before vLLM sees it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import math
+import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .breakers import Breaker, PoolPolicy, State
 from .config import SidecarConfig
@@ -28,12 +40,205 @@ class Admission:
     """A class of the config (an unknown or missing one is the default class)."""
     degraded: bool
     degraded_reason: str
+    target_s: float = math.inf
+    """The class's TTFT target (settings.ClassSettings.ttft_target_ms)."""
+    waiter: Waiter | None = None
+    """Its place at the model's engine slots (time-bounded admission)."""
+
+
+EWMA_WEIGHT = 0.2
+"""Weight of the newest measurement in the pool's service estimates: about the last ten requests."""
+
+
+class TargetUnreachable(Overloaded):
+    """Refused by time-bounded admission: the first token could not come within the class's target."""
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A request's place at one model's engine slots: holding one, or in line for one."""
+
+    priority: int
+    arrived: float
+    deadline: float
+    """Arrival plus the class's target: its first token is due by then."""
+    started_at: float | None = None
+    """When it got its slot (None: still in line, or refused)."""
+    future: asyncio.Future | None = None
+    refusal: TargetUnreachable | None = None
+    finished: bool = False
+
+
+@dataclass
+class EngineSlots:
+    """One model's engine slots and the line in front of them, with what the pool is measured to serve.
+
+    The rate is measured, never configured: slots / the mean time a request holds one (Little's
+    law), so it follows the model, the prompts, the machine and the batch as they are. The
+    decisions (`start_wait`, `check_arrival`, `expire`) read the injected clock and never wait;
+    `acquire` is the asyncio glue."""
+
+    slots: int
+    clock: Callable[[], float] = time.monotonic
+    hold_s: float | None = None
+    """EWMA of how long a request holds a slot (from its start in vLLM to its release)."""
+    first_token_s: float | None = None
+    """EWMA of vLLM's time to a first token, from the request's start there."""
+    busy: int = 0
+    waiting: list[Waiter] = field(default_factory=list)
+    refused_waiting: int = 0
+    """Requests refused while they waited (counted for the state endpoint)."""
+
+    # -- measurements ---------------------------------------------------------------------------
+
+    def measured_hold(self, seconds: float) -> None:
+        self.hold_s = seconds if self.hold_s is None else self.hold_s + EWMA_WEIGHT * (seconds - self.hold_s)
+
+    def measured_first_token(self, seconds: float) -> None:
+        self.first_token_s = seconds if self.first_token_s is None else self.first_token_s + EWMA_WEIGHT * (seconds - self.first_token_s)
+
+    @property
+    def rate(self) -> float | None:
+        """Requests the model starts per second while every slot is busy (None: nothing measured yet)."""
+        return self.slots / self.hold_s if self.hold_s else None
+
+    # -- decisions ------------------------------------------------------------------------------
+
+    def ahead(self, priority: int) -> int:
+        """Requests in line that would start before a new one of this priority."""
+        return sum(1 for w in self.waiting if w.priority <= priority)
+
+    def start_wait(self, position: int) -> float | None:
+        """Estimated wait for a slot of the request at `position` in line (0: first); None: no
+        estimate (no slot free and nothing measured yet)."""
+        free = self.slots - self.busy
+        if position < free:
+            return 0.0
+        rate = self.rate
+        return None if rate is None else (position - free + 1) / rate
+
+    def estimate(self, priority: int) -> float | None:
+        """Estimated time to the first token of a request of this priority arriving now."""
+        wait = self.start_wait(self.ahead(priority))
+        return None if wait is None else wait + (self.first_token_s or 0.0)
+
+    def check_arrival(self, target_s: float, priority: int, what: str) -> None:
+        """Raise TargetUnreachable when a request arriving now cannot get its first token within
+        `target_s`; its Retry-After is how far over the target the estimate is (at least 1 s)."""
+        position = self.ahead(priority)
+        wait = self.start_wait(position)
+        if wait == 0.0:
+            return  # a free slot: vLLM starts it at once, whatever its last TTFTs were
+        if wait is None:
+            raise TargetUnreachable(f"{what}: all {self.slots} engine slots are busy and no request has finished yet to "
+                                    f"measure a wait by", code="ttft_target_unreachable", retry_after_s=1)
+        first = self.first_token_s or 0.0
+        if wait + first <= target_s:
+            return
+        raise TargetUnreachable(
+            f"{what}: {position} requests wait for {self.slots} engine slots, started at {self.rate:.2f}/s, so its "
+            f"first token would come in about {(wait + first) * 1000:.0f} ms, past its {target_s * 1000:.0f} ms target",
+            code="ttft_target_unreachable", retry_after_s=max(1.0, math.ceil(wait + first - target_s)))
+
+    def expire(self) -> list[Waiter]:
+        """Refuse every request in line that can no longer meet its deadline: its estimated start
+        (its place in line over the rate) plus vLLM's time to a first token is past it. Returns them."""
+        now = self.clock()
+        first = self.first_token_s or 0.0
+        refused, kept = [], []
+        for w in self.waiting:
+            wait = self.start_wait(len(kept))
+            late = now + (wait or 0.0) + first - w.deadline
+            if late >= 0:
+                w.refusal = TargetUnreachable(
+                    f"waited {(now - w.arrived) * 1000:.0f} ms for an engine slot; its first token can no longer come "
+                    f"within its {(w.deadline - w.arrived) * 1000:.0f} ms target", code="ttft_target_unreachable",
+                    retry_after_s=max(1.0, math.ceil(late)))
+                w.finished = True
+                refused.append(w)
+                if w.future is not None and not w.future.done():
+                    w.future.set_exception(w.refusal)
+            else:
+                kept.append(w)
+        self.waiting = kept
+        self.refused_waiting += len(refused)
+        return refused
+
+    def _start(self, w: Waiter) -> None:
+        self.busy += 1
+        w.started_at = self.clock()
+        if w.future is not None and not w.future.done():
+            w.future.set_result(None)
+
+    def _start_next(self) -> None:
+        while self.waiting and self.busy < self.slots:
+            self._start(self.waiting.pop(0))
+
+    # -- the line -------------------------------------------------------------------------------
+
+    def enqueue(self, priority: int, target_s: float) -> Waiter:
+        """A slot now, or a place in line (by priority, then arrival)."""
+        now = self.clock()
+        w = Waiter(priority, now, now + target_s)
+        if self.busy < self.slots and not self.waiting:
+            self._start(w)
+            return w
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].priority > priority:
+            i -= 1
+        self.waiting.insert(i, w)
+        return w
+
+    async def acquire(self, w: Waiter) -> None:
+        """Return once `w` holds a slot; raise its refusal (TargetUnreachable) when it cannot meet its target."""
+        if w.started_at is not None:
+            return
+        if w.refusal is not None:
+            raise w.refusal
+        if w.future is None:
+            w.future = asyncio.get_running_loop().create_future()
+        while not w.future.done():
+            # Woken by a slot, or at the last moment its first token could still come in time,
+            # to be refused then; a release that finds the rate too low refuses it earlier.
+            timeout = max(0.0, w.deadline - (self.first_token_s or 0.0) - self.clock())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(w.future), timeout)
+            if not w.future.done():
+                self.expire()
+        w.future.result()
+
+    def finish(self, w: Waiter, ran: bool) -> None:
+        """The request is done with its place, however it ended. `ran`: vLLM ran it, so its time
+        in the slot is a measurement. Idempotent."""
+        if w.finished:
+            return
+        w.finished = True
+        if w.started_at is None:  # still in line: it goes without ever reaching vLLM
+            if w in self.waiting:
+                self.waiting.remove(w)
+            if w.future is not None and not w.future.done():
+                w.future.cancel()
+            return
+        self.busy -= 1
+        if ran:
+            self.measured_hold(self.clock() - w.started_at)
+        self.expire()
+        self._start_next()
+
+    def snapshot(self) -> dict:
+        return {"slots": self.slots, "busy": self.busy, "waiting": len(self.waiting),
+                "hold_ms": None if self.hold_s is None else round(self.hold_s * 1000, 1),
+                "first_token_ms": None if self.first_token_s is None else round(self.first_token_s * 1000, 1),
+                "rate_per_s": None if self.rate is None else round(self.rate, 2), "refused_waiting": self.refused_waiting}
 
 
 class AdmissionControl:
-    def __init__(self, config: SidecarConfig, ladder: Ladder, breakers: list[Breaker], policy: PoolPolicy):
+    def __init__(self, config: SidecarConfig, ladder: Ladder, breakers: list[Breaker], policy: PoolPolicy,
+                 clock: Callable[[], float] = time.monotonic):
         self.config, self.ladder, self.breakers, self.policy = config, ladder, breakers, policy
         self.inflight: dict[str, ModelEngine] = {}
+        self.slots: dict[str, EngineSlots] = {m.config.name: EngineSlots(m.config.max_num_seqs, clock) for m in ladder}
+        """Each model's engine slots, by model name."""
         self.draining = False
         self.top_class = min(config.classes.items(), key=lambda kv: kv[1].priority)[0]
         """The class `critical_only` keeps."""
@@ -72,6 +277,9 @@ class AdmissionControl:
                 degraded, reason = True, ",".join(self.policy.reasons())
         if target.engine is None:  # a ladder model that was not loaded as a standby
             raise Unavailable(f"model {target.config.name} is not loaded on this pool", retry_after_s=5)
+        policy = cfg.classes[cls]
+        slots = self.slots[target.config.name]
+        slots.check_arrival(policy.ttft_target_s, policy.priority, f"pool {cfg.pool} cannot serve this {cls} request in time")
         for b in self.breakers:
             if b.state is State.HALF_OPEN:
                 b.trial_admitted()
@@ -79,7 +287,7 @@ class AdmissionControl:
         target.inflight += 1
         req.request_id = rid
         req.request_class = cls
-        return Admission(rid, target, cls, degraded, reason)
+        return Admission(rid, target, cls, degraded, reason, policy.ttft_target_s, slots.enqueue(policy.priority, policy.ttft_target_s))
 
     def forget(self, request_id: str) -> None:
         """Free the request's slot. Idempotent."""

@@ -13,6 +13,10 @@ Leaving the block, however it is left (the stream ended, an error, a vanished cl
 deadline, a cancelled RPC), releases the request: its slot is freed and, if vLLM may still be
 generating, the request is aborted there so its KV cache is freed at once. TTFT, inter-token time,
 token counts and the request's outcome are recorded here, once, for both fronts.
+
+Between admission and vLLM the request waits for one of its model's engine slots
+(admission.EngineSlots); one that can no longer get its first token within its class's target is
+refused there (429 `ttft_target_unreachable`, Retry-After), and vLLM never sees it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from .admission import Admission
+from .admission import Admission, TargetUnreachable
 from .errors import DeadlineExceeded, EngineFailed, SidecarError
 from .requests import Completion, GenerationRequest, TokenDelta
 
@@ -50,6 +54,28 @@ class Front(enum.Enum):
         return str(error.http_status) if self is Front.HTTP else error.grpc_code.name
 
 
+_HTTP_REFUSAL: type | None = None
+
+
+def http_refusal(e: TargetUnreachable) -> Exception:
+    """`e` in a form vLLM's serving layer passes on with its status: a DeadlineExceeded to the
+    HTTP front's non-streamed path (which answers it with Retry-After), and vLLM's own
+    GracefulHTTPError to its stream generator (which answers it with a 429 OpenAI error)."""
+    global _HTTP_REFUSAL
+    if _HTTP_REFUSAL is None:
+        from vllm.exceptions import GracefulHTTPError
+
+        class WaitRefused(DeadlineExceeded, GracefulHTTPError):
+            http_status = TargetUnreachable.http_status
+            grpc_code = TargetUnreachable.grpc_code
+            openai_type = TargetUnreachable.openai_type
+            retryable = True
+
+        _HTTP_REFUSAL = WaitRefused
+    out = _HTTP_REFUSAL(e.message, code=e.code, retry_after_s=e.retry_after_s)
+    return out
+
+
 def refuse(pool: "Pool", front: Front, api: str, request_class: str, error: SidecarError) -> None:
     """Count a request that was refused before it got a lifecycle (bad input) or at admission."""
     pool.metrics.count_rejection(front.value, api, request_class, front.status(error), error)
@@ -66,6 +92,9 @@ class RequestLifecycle:
         self.completion_tokens = 0
         self._admitted_at = 0.0
         self._submitted = False  # vLLM may hold the request
+        self._submitted_at = 0.0  # when it got its engine slot
+        self.refusal: TargetUnreachable | None = None
+        """Refused while it waited for an engine slot (never reached vLLM)."""
         self._vllm_done = False  # vLLM has finished or dropped it: nothing to abort
         self._events: AsyncIterator[TokenDelta | Completion] | None = None
         self._closed = False
@@ -114,10 +143,29 @@ class RequestLifecycle:
         """When the request's TTFT limit (`req.ttft_give_up_s`, set) ends, on the pool's clock."""
         return self._admitted_at + (self.req.ttft_give_up_s or 0.0)
 
-    def gave_up(self) -> DeadlineExceeded:
-        """The error of a request without a first token at its TTFT limit (docs/replicas.md)."""
-        return DeadlineExceeded(f"no first token within {(self.req.ttft_give_up_s or 0) * 1000:.0f} ms",
-                                code="ttft_deadline_exceeded", retry_after_s=1)
+    def gave_up(self) -> SidecarError:
+        """The error of a request without a first token at its TTFT limit (docs/replicas.md); one
+        still waiting for an engine slot then never reached vLLM: it is refused (429)."""
+        limit_ms = (self.req.ttft_give_up_s or 0) * 1000
+        if not self._submitted:
+            self.refusal = TargetUnreachable(f"waited {limit_ms:.0f} ms for an engine slot, the request's TTFT limit",
+                                             code="ttft_target_unreachable", retry_after_s=1)
+            return self.refusal
+        return DeadlineExceeded(f"no first token within {limit_ms:.0f} ms", code="ttft_deadline_exceeded", retry_after_s=1)
+
+    async def _slot(self) -> None:
+        """Wait for the request's engine slot (admission.EngineSlots), or raise its refusal."""
+        if self._submitted:
+            return
+        adm = self.admit()
+        if adm.waiter is not None:
+            try:
+                await self.pool.admission.slots[adm.engine.config.name].acquire(adm.waiter)
+            except TargetUnreachable as e:
+                self.refusal = e
+                raise
+        self._submitted = True
+        self._submitted_at = self.pool.clock()
 
     @property
     def request_id(self) -> str:
@@ -143,7 +191,11 @@ class RequestLifecycle:
         """TTFT on the request's first tokens, inter-token time after (per token of a message)."""
         now = self.pool.clock()
         if self._first_token_at is None:
-            ttft = now - self._admitted_at if ttft_s is None else ttft_s
+            # vLLM's own figure (`ttft_s`) starts when vLLM got the request: the wait for a slot is added.
+            engine_ttft = now - self._submitted_at if ttft_s is None else ttft_s
+            ttft = engine_ttft + (self._submitted_at - self._admitted_at)
+            adm = self.admission
+            self.pool.admission.slots[adm.engine.config.name].measured_first_token(engine_ttft)
             metrics = self.pool.metrics
             metrics.ttft.labels(self.front.value, self.label_class).observe(ttft)
             self._itl = metrics.itl.labels(self.front.value, self.label_class)
@@ -173,7 +225,10 @@ class RequestLifecycle:
             params.output_kind = RequestOutputKind.CUMULATIVE
         latest: dict[int, object] = {}  # each choice's last output (gather)
         delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
-        self._submitted = True
+        try:
+            await self._slot()
+        except TargetUnreachable as e:
+            raise http_refusal(e) from None
         self._vllm_ids.add(vllm_request_id)
         counted: dict[int, int] = {}  # tokens of each choice so far (cumulative outputs)
         prompt_counted = False
@@ -225,7 +280,7 @@ class RequestLifecycle:
         params = engine.sampling_params(self.req, len(ids), pool.config.server.default_max_tokens)
         self.prompt_tokens = len(ids)
         priority = pool.config.classes[adm.request_class].vllm_priority or 0
-        self._submitted = True
+        await self._slot_in_time()
         gen = engine.generate(self.req, ids, params, priority, self._pause_s)
         try:
             async for ev in self._first_in_time(gen):
@@ -245,6 +300,16 @@ class RequestLifecycle:
             await gen.aclose()
         if self.completion is None:  # a bug, not the client's fault
             raise SidecarError("generation ended without a result")
+
+    async def _slot_in_time(self) -> None:
+        """The engine slot, within the request's TTFT limit (if any)."""
+        limit = self.req.ttft_give_up_s
+        if limit is None:
+            return await self._slot()
+        try:
+            await asyncio.wait_for(self._slot(), max(0.0, self._admitted_at + limit - self.pool.clock()))
+        except asyncio.TimeoutError:
+            raise self.gave_up() from None
 
     async def _first_in_time(self, gen: AsyncIterator) -> AsyncIterator:
         """`gen`, its first event within the request's TTFT limit (if any) or DeadlineExceeded."""
@@ -280,6 +345,9 @@ class RequestLifecycle:
             if self.admission is not None:
                 rid = self.admission.request_id
                 self._record(error, status)
+                if self.admission.waiter is not None:  # ran: vLLM served it, its time in the slot is a measurement
+                    ran = self._submitted and (self.completion is not None or self._outputs_done)
+                    self.pool.admission.slots[self.admission.engine.config.name].finish(self.admission.waiter, ran)
                 self.pool.admission.forget(rid)
                 if self._events is None:  # vLLM's layer ran it: its requests still running
                     left = sorted(self._vllm_ids)

@@ -40,7 +40,7 @@ class Pool:
         self.events.subscribe(self.metrics.count_transition)
         self.breakers = [Breaker(name, bc, clock, self._on_transition) for name, bc in config.breakers.items()]
         self.policy = PoolPolicy(self.breakers)
-        self.admission = AdmissionControl(config, self.ladder, self.breakers, self.policy)
+        self.admission = AdmissionControl(config, self.ladder, self.breakers, self.policy, clock)
         self.readings: Readings | None = None
         """Set at start, once the engines whose stats they read exist."""
         self.load = LoadReporter(config.models[0].max_num_seqs, lambda: self.inflight, self._kv_cache_usage, clock=clock)
@@ -161,6 +161,8 @@ class Pool:
                     "kv_cache_usage": m.stats.kv_cache_usage,
                     "running": m.stats.running,
                     "waiting": m.stats.waiting,
+                    # Time-bounded admission: its engine slots, the line and the measured rate.
+                    "slots": self.admission.slots[m.config.name].snapshot(),
                 }
                 for m in self.ladder
             ],

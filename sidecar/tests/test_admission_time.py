@@ -1,0 +1,195 @@
+"""Time-bounded admission (admission.EngineSlots) with an injected fake clock: nothing here
+sleeps. The estimated wait, refusal on arrival, refusal while waiting (before vLLM sees the
+request), Retry-After derived from the estimate, and the rate following what is measured; then
+the same through a pool's lifecycles on fake engines (conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from infermesh.sidecar.admission import EngineSlots, TargetUnreachable
+from infermesh.sidecar.lifecycle import Front
+from infermesh.sidecar.requests import GenerationRequest
+from infermesh.settings import ClassSettings
+
+
+def busy_slots(clock, slots=2, hold_s=1.0, first_token_s=0.1) -> EngineSlots:
+    """Every slot held (`s.holders`), the pool measured: `slots / hold_s` requests start per second."""
+    s = EngineSlots(slots, clock)
+    s.holders = [s.enqueue(0, 1.0) for _ in range(slots)]
+    s.measured_hold(hold_s)
+    s.measured_first_token(first_token_s)
+    return s
+
+
+def test_the_estimated_wait_is_the_place_in_line_over_the_measured_rate(fake_clock):
+    s = busy_slots(fake_clock, slots=2, hold_s=1.0)
+    assert s.rate == 2.0
+    assert s.start_wait(0) == 0.5 and s.start_wait(3) == 2.0
+    for _ in range(3):
+        s.enqueue(0, 10.0)
+    assert s.estimate(0) == pytest.approx(2.0 + 0.1), "three ahead, the fourth in line: 4 / 2 per s, plus vLLM's first token"
+    assert s.estimate(-1) == pytest.approx(0.5 + 0.1), "a more important class waits in front of them"
+
+
+def test_a_free_slot_admits_whatever_the_last_ttfts_were(fake_clock):
+    s = EngineSlots(2, fake_clock)
+    s.measured_first_token(5.0)
+    s.check_arrival(1.0, 0, "x")  # no raise: vLLM starts it at once
+    assert s.enqueue(0, 1.0).started_at == 0.0
+
+
+def test_refused_on_arrival_past_the_target_with_retry_after_from_the_estimate(fake_clock):
+    s = busy_slots(fake_clock, slots=2, hold_s=1.0, first_token_s=0.1)
+    s.check_arrival(1.0, 0, "pool p")  # first in line: 0.5 s to a slot + 0.1 s
+    s.enqueue(0, 1.0)
+    with pytest.raises(TargetUnreachable) as e:  # second in line: 1.0 s + 0.1 s
+        s.check_arrival(1.0, 0, "pool p")
+    assert e.value.http_status == 429 and e.value.code == "ttft_target_unreachable" and e.value.retry_after_s == 1
+    assert "1100 ms" in e.value.message and "1000 ms target" in e.value.message
+    for _ in range(9):
+        s.enqueue(0, 100.0)
+    with pytest.raises(TargetUnreachable) as e:  # eleventh in line: 5.5 s + 0.1 s, 4.6 s over
+        s.check_arrival(1.0, 0, "pool p")
+    assert e.value.retry_after_s == 5
+    s.check_arrival(10.0, 0, "pool p")  # a class with a 10 s target is still admitted
+
+
+def test_unmeasured_and_full_is_refused_with_retry_after(fake_clock):
+    s = EngineSlots(1, fake_clock)
+    s.enqueue(0, 1.0)
+    with pytest.raises(TargetUnreachable) as e:
+        s.check_arrival(1.0, 0, "x")
+    assert e.value.retry_after_s == 1
+
+
+def test_refused_while_waiting_never_gets_a_slot(fake_clock):
+    s = busy_slots(fake_clock, slots=1, hold_s=0.5, first_token_s=0.1)
+
+    async def run():
+        w = s.enqueue(0, 1.0)  # due at 1.0; estimate 0.5 + 0.1
+        task = asyncio.create_task(s.acquire(w))
+        await asyncio.sleep(0)
+        assert not task.done() and s.waiting == [w]
+        fake_clock.t = 0.95  # the slot is still held: 0.95 + 0.5 + 0.1 is past 1.0
+        s.expire()
+        with pytest.raises(TargetUnreachable) as e:
+            await task
+        return w, e.value
+
+    w, err = asyncio.run(run())
+    assert w.started_at is None and s.waiting == [] and s.busy == 1, "never started: vLLM never sees it"
+    assert err.retry_after_s == 1 and "waited 950 ms" in err.message
+    assert s.refused_waiting == 1
+
+
+def test_a_slower_measured_rate_refuses_those_in_line_at_the_next_release(fake_clock):
+    s = busy_slots(fake_clock, slots=1, hold_s=0.2, first_token_s=0.0)
+    waiters = [s.enqueue(0, 1.0) for _ in range(3)]  # 0.2, 0.4, 0.6 s: all within 1 s
+    assert s.expire() == []
+    fake_clock.t = 0.5
+    for _ in range(10):
+        s.measured_hold(2.0)  # the pool slows down: now ~1.8 s a request
+    # The holder releases: the first in line starts; the others would start past their deadline.
+    s.finish(s.holders[0], ran=False)
+    assert waiters[0].started_at == 0.5
+    assert waiters[1].refusal is not None and waiters[2].refusal is not None
+    assert s.waiting == [] and s.busy == 1
+
+
+def test_the_rate_follows_the_measured_holds(fake_clock):
+    s = EngineSlots(4, fake_clock)
+    s.measured_hold(1.0)
+    assert s.rate == 4.0
+    for _ in range(20):
+        s.measured_hold(4.0)
+    assert s.rate == pytest.approx(1.0, rel=0.05)
+    for _ in range(30):
+        s.measured_hold(0.5)
+    assert s.rate == pytest.approx(8.0, rel=0.05)
+
+
+def test_finish_frees_the_slot_for_the_next_in_line_and_measures_only_what_ran(fake_clock):
+    s = EngineSlots(1, fake_clock)
+    a = s.enqueue(0, 10.0)
+    b = s.enqueue(5, 10.0)
+    c = s.enqueue(0, 10.0)
+    assert s.waiting == [c, b], "by priority, then arrival"
+    fake_clock.t = 2.0
+    s.finish(a, ran=True)
+    assert s.hold_s == 2.0 and c.started_at == 2.0 and s.waiting == [b]
+    s.finish(c, ran=False)
+    assert s.hold_s == 2.0, "a request vLLM did not finish measures nothing"
+    s.finish(c, ran=False)  # idempotent
+    assert s.busy == 1 and b.started_at == 2.0
+
+
+def test_class_targets_default_by_sheddable():
+    assert ClassSettings().ttft_target_s == 1.0
+    assert ClassSettings(sheddable=True).ttft_target_s == 10.0
+    assert ClassSettings(ttft_target_ms=250).ttft_target_s == 0.25
+    with pytest.raises(ValueError):
+        ClassSettings(ttft_target_ms=5)
+
+
+# -- through the pool's lifecycles (fake engines) ---------------------------------------------
+
+CFG = {
+    "pool": "interactive",
+    "models": [{"name": "big", "path": "/x", "max_num_seqs": 1}],
+    "classes": {"interactive": {"priority": 0, "ttft_target_ms": 1000}, "batch": {"priority": 10, "sheddable": True}},
+    "server": {"max_concurrent_requests": 16},
+}
+
+
+def req(cls="interactive") -> GenerationRequest:
+    return GenerationRequest(model=None, prompt="abcd", request_class=cls)
+
+
+def test_lifecycles_wait_for_the_slot_and_are_refused_before_vllm(make_pool, fake_clock):
+    pool = make_pool(CFG, fake_clock)
+    llm = pool.primary.engine
+    slots = pool.admission.slots["big"]
+
+    async def run():
+        llm.gate = asyncio.Event()
+        first = asyncio.Event()
+
+        async def hold():
+            async with pool.lifecycle(req(), Front.GRPC, "generate") as life:
+                async for _ in life.events():
+                    first.set()
+
+        holder = asyncio.create_task(hold())
+        await first.wait()
+        # Nothing measured and the one slot busy: no estimate, refused at once.
+        with pytest.raises(TargetUnreachable):
+            pool.lifecycle(req(), Front.GRPC, "generate").admit()
+        slots.measured_hold(0.4)  # as if measured: 2.5 starts a second
+        waiting = pool.lifecycle(req(), Front.GRPC, "generate")
+        waiting.admit()
+
+        async def wait_then_generate():
+            async with waiting as life:
+                async for _ in life.events():
+                    pass
+
+        w = asyncio.create_task(wait_then_generate())
+        await asyncio.sleep(0)
+        assert len(slots.waiting) == 1
+        fake_clock.t = 0.7  # 0.7 + 0.4 to a slot: past its 1 s target
+        slots.expire()
+        with pytest.raises(TargetUnreachable) as e:
+            await w
+        llm.gate.set()
+        await holder
+        return e.value
+
+    err = asyncio.run(run())
+    assert len(llm.priorities) == 1, "only the holder reached the engine"
+    assert err.grpc_code.name == "RESOURCE_EXHAUSTED" and err.retry_after_s >= 1
+    assert pool.inflight == 0 and slots.busy == 0 and slots.waiting == []
+    assert pool.metrics.registry.get_sample_value("infermesh_sidecar_requests_total", {
+        "front": "grpc", "api": "generate", "request_class": "interactive", "status": "RESOURCE_EXHAUSTED"}) == 2, "one refused on arrival, one while it waited"
