@@ -46,8 +46,11 @@ here are pydantic's (`rules.0.match.path`), the filter's are `rules[0].match.pat
 
 from __future__ import annotations
 
+import codecs
 import ipaddress
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
@@ -63,7 +66,7 @@ from .filter_regex import regex_error
 __all__ = [
     "LEVEL_DOWN", "LOCAL_POLICY", "BodyMatch", "ClassSpec", "DegradedRouting", "FilterSpec", "GpuSpec", "HeaderMatch",
     "Match", "ModelSpec", "Policy", "PolicyError", "PoolSpec", "Range", "Rule", "StringMatch", "load_policy",
-    "parse_policy",
+    "parse_policy", "read_policy_bytes", "decode_policy", "file_signature",
 ]
 
 RESERVED_RULE_NAMES = ("default", "trusted")
@@ -523,13 +526,43 @@ class Policy(Strict):
         }
 
 
-class PolicyError(Exception):
-    """A policy that cannot be used. `problems` are (line or None, field, message)."""
+# ---- loading: whatever the file holds, only PolicyError comes out -------------------------------
 
-    def __init__(self, path: str, problems: list[tuple[int | None, str, str]]):
+MAX_POLICY_BYTES = 256 * 1024
+"""A policy is a few KiB; a larger file is refused before it is parsed (PyYAML's safe loader,
+pure Python for its bounds, reads about 0.3 MiB/s of policy)."""
+MAX_YAML_DEPTH = 64
+"""Deeper nesting is refused with its line, before Python's recursion limit is near."""
+MAX_YAML_NODES = 100_000
+"""The document's size with every alias expanded (a long scalar counts per 64 characters): bounds
+what one small file can make the constructor and the validator walk (a YAML bomb)."""
+
+REJECTION_REASONS = ("io", "size", "encoding", "yaml", "depth", "validation", "changed", "internal")
+"""`PolicyError.reason`: why a policy was refused, as the control plane counts it. `changed`: the
+file changed while it was read (read it again); `internal`: a bug of ours, never the file's."""
+
+
+def _escape(m: re.Match) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def _one_line(msg: str, limit: int = 400) -> str:
+    """A message fit for one `file:line: field: reason` line: control characters and lone
+    surrogates escaped, at most `limit` characters (a value quoted in it may be anything)."""
+    msg = re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]", _escape, str(msg))
+    return msg if len(msg) <= limit else msg[:limit] + "…"
+
+
+class PolicyError(Exception):
+    """A policy that cannot be used. `problems` are (line or None, field, message); `reason` is one
+    of REJECTION_REASONS."""
+
+    def __init__(self, path: str, problems: list[tuple[int | None, str, str]], reason: str = "validation"):
         self.path = path
         self.problems = problems
-        lines = [f"{path}:{line or '?'}: {field}: {msg}" for line, field, msg in problems]
+        self.reason = reason
+        lines = [f"{_one_line(path)}:{line or '?'}: {field}: {_one_line(msg)}" for line, field, msg in problems]
         super().__init__("\n".join(lines))
 
 
@@ -569,22 +602,98 @@ def _problem(err: dict) -> tuple[list, str]:
     return loc, msg
 
 
+class _YamlLimit(yaml.MarkedYAMLError):
+    """A document past MAX_YAML_DEPTH or MAX_YAML_NODES, at the node where it went past."""
+
+    def __init__(self, reason: str, problem: str, mark):
+        super().__init__(problem=problem, problem_mark=mark)
+        self.reason = reason
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with its depth and its expanded size bounded (checked as it composes,
+    so a bomb stops at the limit instead of after it), and a constructor error on a bad scalar
+    (`2020-13-45`, a 5000-digit int) reported at that scalar's line instead of as a bare ValueError."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+        self._expanded = 0
+        self._anchored: dict[int, int] = {}
+        """id(anchored node) -> its expanded size (the node stays alive in `self.anchors`)."""
+
+    def _count(self, n: int, mark) -> None:
+        self._expanded += n
+        if self._expanded > MAX_YAML_NODES:
+            raise _YamlLimit("size", f"the document expands to more than {MAX_YAML_NODES} nodes "
+                                     "(aliases counted each time they are used); a policy has a few hundred", mark)
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor in self.anchors:
+                self._count(self._anchored.get(id(self.anchors[event.anchor]), 1), event.start_mark)
+            return super().compose_node(parent, index)
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _YamlLimit("depth", f"nested more than {MAX_YAML_DEPTH} levels deep", event.start_mark)
+        start = self._expanded
+        value = getattr(event, "value", None)
+        self._count(1 + (len(value) // 64 if isinstance(value, str) else 0), event.start_mark)
+        self._depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if getattr(event, "anchor", None) is not None:
+            self._anchored[id(node)] = self._expanded - start
+        return node
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except yaml.YAMLError:
+            raise
+        except (ValueError, TypeError, OverflowError, ArithmeticError) as e:
+            raise yaml.constructor.ConstructorError(None, None, f"cannot read this {node.tag.rsplit(':', 1)[-1]}: {e}",
+                                                    node.start_mark) from e
+
+
+def _compose(text: str, path: str) -> tuple[yaml.Node | None, Any]:
+    """The document's node tree (for lines) and its data, or PolicyError naming the line."""
+    loader = None
+    try:
+        loader = _BoundedLoader(text)  # its reader refuses unprintable characters here already
+        node = loader.get_single_node()
+        return node, (loader.construct_document(node) if node is not None else None)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        msg = " ".join(x for x in (e.context, e.problem) if x) or type(e).__name__
+        raise PolicyError(path, [(mark.line + 1 if mark else None, "(yaml)", msg)], getattr(e, "reason", "yaml")) from e
+    except yaml.reader.ReaderError as e:
+        # A character YAML does not allow (NUL, most control characters), at its character offset.
+        line = text.count("\n", 0, max(e.position, 0)) + 1
+        raise PolicyError(path, [(line, "(encoding)", f"character #x{e.character:04x} is not allowed in YAML: {e.reason}")],
+                          "encoding") from e
+    except yaml.YAMLError as e:
+        raise PolicyError(path, [(None, "(yaml)", str(e))], "yaml") from e
+    except RecursionError as e:  # not expected below MAX_YAML_DEPTH; never a traceback though
+        raise PolicyError(path, [(None, "(yaml)", "nested too deeply to read")], "depth") from e
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
 def field_line(text: str, field: str) -> int | None:
     """The 1-based line of a dotted field path (`filter.runtime`, `rules.0.match`) in a policy's text."""
     try:
-        node = yaml.compose(text)
-    except yaml.YAMLError:
+        node, _ = _compose(text, "<policy>")
+    except PolicyError:
         return None
     return _line_of(node, [int(k) if k.isdigit() else k for k in field.split(".")])
 
 
 def parse_policy(text: str, path: str = "<policy>") -> Policy:
-    try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise PolicyError(path, [(mark.line + 1 if mark else None, "(yaml)", str(getattr(e, "problem", e)))]) from e
+    node, data = _compose(text, path)
     if not isinstance(data, dict):
         raise PolicyError(path, [(1, "(root)", "a policy is a mapping with version, classes, pools, …")])
     try:
@@ -596,15 +705,84 @@ def parse_policy(text: str, path: str = "<policy>") -> Policy:
             field = ".".join(str(x) for x in loc) or "(root)"
             problems.append((_line_of(node, loc), field, msg))
         raise PolicyError(path, problems) from e
+    except (RecursionError, MemoryError) as e:
+        raise PolicyError(path, [(None, "(root)", f"too large to check ({type(e).__name__})")], "size") from e
+    except Exception as e:  # noqa: BLE001 — a validator's bug: the file is refused, never a traceback
+        raise PolicyError(path, [(None, "(root)", f"could not be checked: {type(e).__name__}: {e}")], "internal") from e
+
+
+def file_signature(st: os.stat_result) -> tuple:
+    """What changes when a file is written or replaced: device, inode, size, mtime and ctime."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def read_policy_bytes(path: str | Path) -> tuple[bytes, os.stat_result]:
+    """The file's bytes and its stat, read from one open file. Refused (PolicyError): what cannot
+    be opened or read, what is not a regular file (a directory; a FIFO, which would block the
+    reader), a file over MAX_POLICY_BYTES, and (reason `changed`) a file whose stat or path
+    changed while it was read: a writer was at work."""
+    p = str(path)
+
+    def refuse(msg: str, reason: str = "io") -> PolicyError:
+        return PolicyError(p, [(None, "(file)", msg)], reason)
+
+    try:
+        # Non-blocking: opening a FIFO with no writer must not hang the control plane.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        raise refuse(e.strerror or str(e)) from e
+    try:
+        before = os.fstat(fd)
+        if stat.S_ISDIR(before.st_mode):
+            raise refuse("is a directory, not a policy file")
+        if not stat.S_ISREG(before.st_mode):
+            raise refuse("is not a regular file (a FIFO, socket or device)")
+        if before.st_size > MAX_POLICY_BYTES:
+            raise refuse(f"is {before.st_size} bytes; a policy may be at most {MAX_POLICY_BYTES}", "size")
+        chunks: list[bytes] = []
+        got = 0
+        while got <= MAX_POLICY_BYTES and (chunk := os.read(fd, MAX_POLICY_BYTES + 1 - got)):
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > MAX_POLICY_BYTES:
+            raise refuse(f"is over {MAX_POLICY_BYTES} bytes, the most a policy may be", "size")
+        after = os.fstat(fd)
+    except OSError as e:
+        raise refuse(e.strerror or str(e)) from e
+    finally:
+        os.close(fd)
+    try:
+        now = os.stat(p)
+    except OSError:
+        now = None
+    if (now is None or file_signature(now) != file_signature(before) or file_signature(after) != file_signature(before)
+            or got != before.st_size):
+        raise refuse("changed while it was read (a write in progress); read again once it is still", "changed")
+    return b"".join(chunks), before
+
+
+def decode_policy(data: bytes, path: str) -> str:
+    """The text of a UTF-8 policy (a UTF-8 byte-order mark is allowed); anything else is refused
+    with the line and byte of the first undecodable sequence."""
+    if data.startswith((codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise PolicyError(path, [(1, "(encoding)", "the file starts with a UTF-16/UTF-32 byte-order mark; a policy is UTF-8")],
+                          "encoding")
+    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[skip:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = skip + e.start
+        line = data.count(b"\n", 0, at) + 1
+        column = at - (data.rfind(b"\n", 0, at) + 1) + 1
+        raise PolicyError(path, [(line, "(encoding)", f"not valid UTF-8: byte 0x{data[at]:02x} at column {column} "
+                                                      f"({e.reason}); a policy is UTF-8")], "encoding") from e
 
 
 def load_policy(path: str | Path) -> Policy:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise PolicyError(str(p), [(None, "(file)", e.strerror or str(e))]) from e
-    return parse_policy(text, str(p))
+    """The policy in the file `path`; whatever is wrong with it, only PolicyError is raised."""
+    p = str(path)
+    data, _ = read_policy_bytes(p)
+    return parse_policy(decode_policy(data, p), p)
 
 
 LOCAL_POLICY = Path(__file__).resolve().parent.parent / "policies" / "local.yaml"

@@ -2,8 +2,11 @@
 file and the pools' levels, `ControlPlane` turns the last good policy into a checked snapshot
 (xds_snapshot.py), and the ADS server (ads_server.py) serves it to every connected Envoy over gRPC.
 
-A valid edit of the policy file reaches Envoy as a new version at once; an invalid one is logged
-with its file:line: field reasons and Envoy keeps the last good config. Degraded-mode routing
+A valid edit of the policy file reaches Envoy as a new version once the file is stable (at once
+after an atomic rename); an invalid one, or one that cannot be read at all, is logged with its
+file:line: field reasons, counted, and Envoy keeps the last good config. A version Envoy refuses
+(NACK) is logged with Envoy's reason and counted, and the last version it ACKed is served again.
+`--metrics-port` serves those counters (cp_metrics.py) on 127.0.0.1. Degraded-mode routing
 (`when_degraded`) is not the control plane's: the filter learns each pool's level from its
 sidecars' responses and state endpoint and spills or sheds itself, in plain Envoy and in Istio
 alike (docs/filter.md). The pool watchers (`--pool-admin`) only log the levels they see. If the
@@ -46,6 +49,7 @@ class ControlPlane:
     def __init__(self, target: MeshTarget, ads: AdsServer | None = None):
         self.target = target
         self.ads = ads or AdsServer()
+        self.metrics = self.ads.metrics
         self.policy: Policy | None = None
         self.levels: dict[str, int] = {}
         self.rejections = 0
@@ -71,6 +75,7 @@ class ControlPlane:
             snap = build_snapshot(self.policy, self.target)
         except Exception as e:  # a generator bug or a missing endpoint must not take the control plane down
             self.rejections += 1
+            self.metrics.policy_rejections.labels("build").inc()
             log.exception("config generation failed; keeping the last good config", extra={"error": str(e), "kept": self.version})
             return False
         self.ads.set_snapshot(snap)
@@ -117,13 +122,16 @@ def xds_bootstrap(admin_port: int, xds_host: str, xds_port: int, node_id: str = 
     }
 
 
-async def serve(ads: AdsServer, watchers: list, host: str, port: int) -> int:
-    """Serve ADS on host:port and run the watchers until SIGTERM/SIGINT."""
+async def serve(ads: AdsServer, watchers: list, host: str, port: int, metrics_port: int | None = None) -> int:
+    """Serve ADS on host:port (and the metrics on 127.0.0.1:metrics_port) and run the watchers until SIGTERM/SIGINT."""
     server = grpc.aio.server()
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    log.info("control plane serving", extra={"port": bound, "version": ads.version})
+    extra = {"port": bound, "version": ads.version}
+    if metrics_port is not None:
+        extra["metrics_port"] = ads.metrics.serve("127.0.0.1", metrics_port)
+    log.info("control plane serving", extra=extra)
     tasks = [asyncio.create_task(w.run()) for w in watchers]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -151,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--native-module", default=str(paths.filter_native_module()),
                     help="the filter as a dynamic module (a policy with filter.runtime: native)")
     ap.add_argument("--pool-admin", action="append", default=[], help="NAME=URL of a pool sidecar's admin API (repeat): its level changes are logged")
+    ap.add_argument("--metrics-port", type=int, default=None,
+                    help="serve the control plane's Prometheus counters on 127.0.0.1:PORT/metrics (0: a free port, logged)")
     args = ap.parse_args(argv)
     setup_logging({"component": "xds"})
     logging.getLogger("infermesh.xds").setLevel(logging.INFO)
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         host, http_port, grpc_port = (hostports.split(":") + ["0"])[:3]
         endpoints.setdefault(name, []).append((host, int(http_port), int(grpc_port)))
     cp = ControlPlane(MeshTarget(args.listen_host, args.listen_port, Path(args.wasm), endpoints, Path(args.native_module)))
-    policy_watch = PolicyFileWatcher(Path(args.policy), cp.set_policy)
+    policy_watch = PolicyFileWatcher(Path(args.policy), cp.set_policy, cp.metrics)
     if not policy_watch.load() or cp.version is None:
         print("infermesh-xds: the policy is not usable at start; see the log", file=sys.stderr)
         return 2
@@ -176,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--pool-admin {spec}: more admin URLs than --pool replicas of {pool!r}")
         host, http_port, _ = endpoints[pool][i]
         watchers.append(PoolWatcher(pool, url, f"http://{host}:{http_port}/health", levels.reporter(i)))
-    return asyncio.run(serve(cp.ads, watchers, args.host, args.port))
+    return asyncio.run(serve(cp.ads, watchers, args.host, args.port, args.metrics_port))
 
 
 if __name__ == "__main__":

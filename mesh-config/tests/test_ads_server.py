@@ -131,7 +131,7 @@ def test_a_new_snapshot_is_pushed_to_every_subscribed_type_in_dependency_order()
     run(server, scenario)
 
 
-def test_a_nack_is_logged_and_its_version_never_sent_again(caplog):
+def test_a_nack_is_logged_and_counted_the_last_acked_version_is_served_again_and_the_refused_one_never(caplog):
     server = serving()
 
     async def scenario(envoy):
@@ -140,20 +140,47 @@ def test_a_nack_is_logged_and_its_version_never_sent_again(caplog):
         server.set_snapshot(V2)
         r2 = await envoy.response()
         envoy.send(CLUSTER_TYPE, version=V1.version, nonce=r2.nonce, nack="cluster pool_x: bad thing")
-        await envoy.nothing()
-        assert server.nacks == 1
-        # Envoy asks again holding V1 (as after any NACK): V2 is not re-sent.
-        envoy.send(CLUSTER_TYPE, version=V1.version, nonce=r2.nonce)
-        await envoy.nothing()
-        server.set_snapshot(V1)  # e.g. the policy edited back: a version Envoy accepted before
+        # Envoy may have taken part of V2 (it applies clusters one by one): V1 is sent again, whole.
         r3 = await envoy.response()
-        assert r3.version_info == V1.version
-        server.set_snapshot(V2)
+        assert r3.version_info == V1.version and names(r3) == names(r2)
+        assert server.nacks == 1 and server.version == V1.version
+        assert server.metrics.value("infermesh_xds_nacks_total", type="Cluster") == 1
+        assert server.metrics.value("infermesh_xds_rollbacks_total") == 1
+        envoy.ack(r3)
         await envoy.nothing()
-        server.set_snapshot(V3)  # the next new version is sent
+        assert not server.set_snapshot(V2), "a version Envoy refused is never served again"
+        await envoy.nothing()
+        assert server.set_snapshot(V3)  # the next new version (a later edit) is sent
         assert (await envoy.response()).version_info == V3.version
     run(server, scenario)
-    assert any("NACK" in rec.getMessage() for rec in caplog.records)
+    nack = [rec for rec in caplog.records if "NACK" in rec.getMessage()]
+    assert nack and nack[0].__dict__["reason"] == "cluster pool_x: bad thing", "Envoy's error_detail is logged"
+
+
+def test_after_a_nack_every_type_and_every_stream_goes_back_to_the_last_version_acked_whole():
+    server = serving()
+    types = ((CLUSTER_TYPE, ()), (ENDPOINT_TYPE, ["pool_batch"]), (LISTENER_TYPE, ()), (ROUTE_TYPE, ["infermesh"]))
+
+    async def main():
+        async with FakeEnvoyStream(server) as a, FakeEnvoyStream(server) as b:
+            for envoy in (a, b):
+                for t, asked in types:
+                    envoy.send(t, names=asked)
+                    envoy.ack(await envoy.response(), asked)
+            assert server.accepted is server.snapshot is V1
+            server.set_snapshot(V2)
+            pushed = {envoy: [await envoy.response() for _ in types] for envoy in (a, b)}
+            # Envoy `a` takes V2's clusters and endpoints, then refuses its listener.
+            for r, (_, asked) in zip(pushed[a][:2], types[:2]):
+                a.ack(r, asked)
+            a.send(LISTENER_TYPE, version=V1.version, nonce=pushed[a][2].nonce, nack="listener infermesh: bad filter")
+            for envoy in (a, b):
+                again = [await envoy.response() for _ in types]
+                assert [r.type_url for r in again] == [t for t, _ in types], "in dependency order"
+                assert {r.version_info for r in again} == {V1.version}
+                await envoy.nothing()
+            assert server.version == V1.version and server.accepted is V1
+    asyncio.run(main())
 
 
 def test_a_request_with_a_stale_nonce_is_ignored():
@@ -234,11 +261,41 @@ def test_two_streams_each_get_the_push():
     asyncio.run(main())
 
 
+def test_a_policy_edit_envoy_refuses_leaves_the_last_acked_served_and_a_later_edit_is_published(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text(LOCAL_POLICY.read_text())
+    cp = ControlPlane(TARGET)
+    watch = PolicyFileWatcher(path, cp.set_policy, cp.metrics, settle=0)
+    assert watch.load() and cp.version == V1.version
+
+    async def scenario(envoy):
+        envoy.send(LISTENER_TYPE)
+        envoy.ack(await envoy.response())
+        path.write_text(LOCAL_POLICY.read_text().replace("default_class: batch", "default_class: interactive"))
+        assert watch.poll()
+        refused = await envoy.response()
+        assert refused.version_info == cp.version != V1.version
+        envoy.send(LISTENER_TYPE, version=V1.version, nonce=refused.nonce, nack="listener infermesh: refused")
+        envoy.ack(back := await envoy.response())
+        assert back.version_info == V1.version == cp.version
+        path.write_text(LOCAL_POLICY.read_text().replace("default_class: batch", "default_class: interactive") + "# edited\n")
+        assert watch.poll() and cp.version == V1.version, "the same config again is the version Envoy refused: not served"
+        await envoy.nothing()
+        path.write_text(LOCAL_POLICY.read_text().replace("class: interactive\n    match: {methods: [POST], path: {prefix: /v1/chat",
+                                                         "class: batch\n    match: {methods: [POST], path: {prefix: /v1/chat"))
+        assert watch.poll()
+        r = await envoy.response()
+        assert r.version_info == cp.version not in (V1.version, refused.version_info)
+    run(cp.ads, scenario)
+    assert cp.metrics.value("infermesh_policy_reloads_total") == 4
+    assert cp.metrics.value("infermesh_xds_nacks_total", type="Listener") == 1
+
+
 def test_a_policy_edit_reaches_the_stream_as_a_new_version(tmp_path):
     path = tmp_path / "policy.yaml"
     path.write_text(LOCAL_POLICY.read_text())
     cp = ControlPlane(TARGET)
-    watch = PolicyFileWatcher(path, cp.set_policy)
+    watch = PolicyFileWatcher(path, cp.set_policy, settle=0)
     assert watch.load() and cp.version == V1.version
 
     def default_class_of(r) -> str:

@@ -26,7 +26,7 @@ def test_the_policy_file_watch_hands_on_valid_edits_and_keeps_the_last_good_poli
     path = tmp_path / "policy.yaml"
     path.write_text(GOOD)
     seen = []
-    w = PolicyFileWatcher(path, seen.append)
+    w = PolicyFileWatcher(path, seen.append, settle=0)  # settling: test_watchers_hardened.py
     assert w.load() and len(seen) == 1
     assert not w.poll(), "nothing changed"
     path.write_text(GOOD.replace("default_class: batch", "default_class: no-such-class"))
