@@ -8,6 +8,7 @@ use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
+use std::rc::Rc;
 
 /// The only configuration version this build understands. A config with another version is
 /// refused rather than half-understood.
@@ -337,6 +338,8 @@ impl TrustedSources {
 /// The validated configuration the request path uses.
 #[derive(Debug, Clone)]
 pub struct FilterConfig {
+    /// Every class the config defines, with its pool (metric labels are bounded to these names).
+    pub classes: BTreeMap<String, String>,
     pub default_class: String,
     pub default_pool: String,
     pub default_objective: String,
@@ -533,6 +536,7 @@ impl FilterConfig {
             None => None,
         };
         Ok(FilterConfig {
+            classes: classes.into_iter().map(|(c, (pool, _))| (c, pool)).collect(),
             default_class: raw.default_class,
             default_pool,
             default_objective,
@@ -544,10 +548,27 @@ impl FilterConfig {
         })
     }
 
+    /// Every pool the config names: the classes' pools and those degraded routing keeps state for.
+    pub fn pool_names(&self) -> BTreeSet<&str> {
+        let mut pools: BTreeSet<&str> = self.classes.values().map(String::as_str).collect();
+        if let Some(d) = &self.degraded {
+            pools.extend(d.pools.keys().map(String::as_str));
+        }
+        pools
+    }
+
     /// Whether any rule looks at the body (otherwise the filter never buffers).
     pub fn needs_body(&self) -> bool {
         self.rules.iter().any(|r| r.body.is_some())
     }
+}
+
+/// Apply a configuration update: `current` is replaced only by one that validates, so a rejected
+/// update (the glue then tells Envoy so) leaves the last good configuration serving.
+pub fn reload(current: &mut Option<Rc<FilterConfig>>, bytes: &[u8]) -> Result<Rc<FilterConfig>, ConfigError> {
+    let cfg = Rc::new(FilterConfig::parse(bytes)?);
+    *current = Some(Rc::clone(&cfg));
+    Ok(cfg)
 }
 
 fn bounded(field: &str, v: u64, lo: u64, hi: u64) -> Result<u64, ConfigError> {
@@ -713,6 +734,57 @@ mod tests {
         assert_eq!(bad(r#"{"pools": {}, "probe_interval_ms": 10}"#), "degraded_routing.probe_interval_ms");
         assert_eq!(bad(r#"{"pools": {}, "retry_after_s": 0}"#), "degraded_routing.retry_after_s");
         assert!(parse_err(&with(r#"{"pools": {"gpu-a": {"spil_to": "gpu-b"}}}"#)).message.contains("spil_to"));
+    }
+
+    #[test]
+    fn a_rejected_reload_keeps_the_last_good_config() {
+        let mut current = None;
+        assert!(reload(&mut current, b"{").is_err());
+        assert!(current.is_none(), "nothing good yet: nothing in force");
+        let good = reload(&mut current, GOOD.as_bytes()).unwrap();
+        assert!(Rc::ptr_eq(current.as_ref().unwrap(), &good));
+        let worse = GOOD.replace("\"default_class\": \"batch\"", "\"default_class\": \"gone\"");
+        for bad in [worse.as_bytes(), b"", b"\xff\xfe", b"null", b"[]", &GOOD.as_bytes()[..GOOD.len() / 2]] {
+            let e = reload(&mut current, bad).unwrap_err();
+            assert!(!e.to_string().is_empty());
+            assert!(Rc::ptr_eq(current.as_ref().unwrap(), &good), "{e}: the last good config stays in force");
+        }
+        let next = reload(&mut current, GOOD.replace("65536", "1024").as_bytes()).unwrap();
+        assert_eq!(current.as_ref().unwrap().max_body_bytes, 1024, "a good update after rejected ones applies");
+        assert!(Rc::ptr_eq(current.as_ref().unwrap(), &next));
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_without_recursion() {
+        // The typed shape is a few levels deep: anything nested deeper is a wrong type at its
+        // first bracket. The one free-form value (the retired `spill_to`, IgnoredAny) is skipped
+        // by serde_json without recursion, however deep.
+        for depth in [127usize, 129, 10_000, 1_000_000] {
+            let (open, close) = ("[".repeat(depth), "]".repeat(depth));
+            let spill = format!(
+                r#"{{"version": 1, "default_class": "b", "classes": {{"b": {{"pool": "p"}}}},
+                    "degraded_routing": {{"pools": {{"p": {{"spill_to": {open}{close}}}}}}}}}"#
+            );
+            assert_eq!(parse_err(&spill).field, "degraded_routing.pools.p.spill_to", "depth {depth}");
+            let rules = format!(r#"{{"version": 1, "default_class": "b", "classes": {{"b": {{"pool": "p"}}}}, "rules": {open}{close}}}"#);
+            assert!(parse_err(&rules).message.contains("invalid type"), "depth {depth}");
+            let classes = format!(r#"{{"version": 1, "default_class": "b", "classes": {{"b": {open}{close}}}}}"#);
+            assert!(parse_err(&classes).message.contains("invalid type"), "depth {depth}");
+        }
+        let e = parse_err(&format!(r#"{{"version": 1, "x": {}}}"#, "{\"a\":".repeat(100_000)));
+        assert!(e.message.contains("unknown field `x`"), "{e}");
+        // Where a whole document is read as a JSON value, serde_json's recursion limit (128)
+        // refuses it before the stack is at risk.
+        let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        let e = serde_json::from_str::<serde_json::Value>(&deep).unwrap_err();
+        assert!(e.to_string().contains("recursion limit exceeded"), "{e}");
+    }
+
+    #[test]
+    fn classes_and_pools_are_kept_for_the_metric_labels() {
+        let c = FilterConfig::parse(GOOD.as_bytes()).unwrap();
+        assert_eq!(c.classes.get("batch").map(String::as_str), Some("gpu-b"));
+        assert_eq!(c.pool_names().into_iter().collect::<Vec<_>>(), ["gpu-a", "gpu-b"]);
     }
 
     #[test]

@@ -16,11 +16,12 @@
 //! the request flow here is tested natively.
 
 use crate::body::parse_body_segments;
-use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE, TRUSTED_RULE};
+use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE};
 use crate::config::{
     DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX,
 };
 use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError, Verdict, HEADER_POOL_LEVEL};
+use crate::stats::TrustedCounters;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
@@ -81,10 +82,9 @@ pub struct Metrics {
     pub decisions: Vec<CounterId>,
     pub fallbacks: [CounterId; 4],
     pub stripped: CounterId,
-    /// Decisions kept from trusted sources, by (class, pool) of the config (trusted peers name
-    /// configured pools; anything else is counted under `trusted_other`).
-    pub trusted: HashMap<(String, String), CounterId>,
-    pub trusted_other: CounterId,
+    /// Decisions kept from trusted sources, by the config's (class, pool) labels; a name the
+    /// config does not define is counted as `other` (crate::stats).
+    pub trusted: TrustedCounters<CounterId>,
     pub shed: HashMap<String, CounterId>,
     pub state_errors: [CounterId; 5],
 }
@@ -101,19 +101,7 @@ impl Metrics {
         for (slot, f) in fallbacks.iter_mut().zip(Fallback::ALL) {
             *slot = define(&format!("infermesh.body_fallbacks_total.reason.{}", f.as_str()));
         }
-        let mut trusted = HashMap::new();
-        let mut trusted_other = None;
-        if !config.trusted.is_empty() {
-            let mut pairs: Vec<(String, String)> = config.rules.iter().map(|r| (r.class.clone(), r.pool.clone())).collect();
-            pairs.push((config.default_class.clone(), config.default_pool.clone()));
-            for (c, p) in pairs {
-                if !trusted.contains_key(&(c.clone(), p.clone())) {
-                    let id = decision(define, &c, &p, TRUSTED_RULE);
-                    trusted.insert((c, p), id);
-                }
-            }
-            trusted_other = define(&format!("infermesh.requests_total.class.other.pool.other.rule.{TRUSTED_RULE}"));
-        }
+        let trusted = TrustedCounters::define(config, define);
         let (mut shed, mut state_errors) = (HashMap::new(), [None; 5]);
         if let Some(d) = &config.degraded {
             for p in d.pools.values() {
@@ -127,7 +115,7 @@ impl Metrics {
                 *slot = define(&format!("infermesh.pool_state_errors_total.reason.{reason}"));
             }
         }
-        Metrics { decisions, fallbacks, stripped: define("infermesh.stripped_requests_total"), trusted, trusted_other, shed, state_errors }
+        Metrics { decisions, fallbacks, stripped: define("infermesh.stripped_requests_total"), trusted, shed, state_errors }
     }
 }
 
@@ -318,7 +306,7 @@ impl Stream {
                 let headers = host.request_headers();
                 let view = View(&headers);
                 match (view.get(HEADER_CLASS), view.get(HEADER_POOL)) {
-                    (Some(c), Some(p)) => Some(cfg.metrics.trusted.get(&(c.to_string(), p.to_string())).copied().unwrap_or(cfg.metrics.trusted_other)),
+                    (Some(c), Some(p)) => Some(cfg.metrics.trusted.get(c, p).flatten()),
                     _ => None,
                 }
             };

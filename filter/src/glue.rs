@@ -13,11 +13,12 @@
 //! pool elsewhere is Envoy's: the health check of the sidecars' state endpoint and priority failover).
 
 use crate::body::parse_body;
-use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE, TRUSTED_RULE};
+use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE};
 use crate::config::{
-    DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX,
+    reload, DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX,
 };
 use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError, RecentWrites, ResponseSampler, Verdict, HEADER_POOL_LEVEL};
+use crate::stats::TrustedCounters;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
@@ -77,8 +78,9 @@ struct Metrics {
     decisions: Vec<Option<u32>>,
     fallbacks: [Option<u32>; 4],
     stripped: Option<u32>,
-    /// Decisions kept from trusted sources, by (class, pool): rare, defined on first use.
-    trusted: RefCell<HashMap<(String, String), Option<u32>>>,
+    /// Decisions kept from trusted sources, by the config's (class, pool) labels; a name the
+    /// config does not define is counted as `other` (crate::stats), so traffic never defines a stat.
+    trusted: TrustedCounters<Option<u32>>,
     /// Requests shed at the edge, by class.
     shed: HashMap<String, Option<u32>>,
     /// Readings not used and probes that failed, by reason (`STATE_ERRORS`).
@@ -153,7 +155,7 @@ impl Metrics {
             decisions,
             fallbacks,
             stripped: counter("infermesh.stripped_requests_total"),
-            trusted: RefCell::new(HashMap::new()),
+            trusted: TrustedCounters::define(config, &mut |n| counter(n)),
             shed,
             state_errors,
         }
@@ -171,11 +173,7 @@ impl Metrics {
     }
 
     fn trusted(&self, class: &str, pool: &str) {
-        let mut t = self.trusted.borrow_mut();
-        let id = *t
-            .entry((class.to_string(), pool.to_string()))
-            .or_insert_with(|| decision_metric(class, pool, TRUSTED_RULE));
-        bump(id);
+        bump(self.trusted.get(class, pool).flatten());
     }
 }
 
@@ -377,7 +375,8 @@ impl RootContext for Root {
 
     fn on_configure(&mut self, _size: usize) -> bool {
         let bytes = self.get_plugin_configuration().unwrap_or_default();
-        match FilterConfig::parse(&bytes) {
+        // Only a config that validates replaces the one in force (config::reload).
+        match reload(&mut self.config, &bytes) {
             Ok(cfg) => {
                 log::info!(
                     "infermesh: config accepted: {} rules ({} need the body), default class {}, body limit {} bytes",
@@ -391,7 +390,6 @@ impl RootContext for Root {
                 let _ = hostcalls::set_tick_period(tick.map_or(Duration::ZERO, |d| Duration::from_millis(d.probe_interval_ms)));
                 // A new config may change a pool's level rule: start from the shared records again.
                 self.states = Rc::new(PoolStates::default());
-                self.config = Some(Rc::new(cfg));
                 true
             }
             Err(e) => {

@@ -9,6 +9,7 @@ pub mod body;
 pub mod classify;
 pub mod config;
 pub mod pool_state;
+pub mod stats;
 mod json_scan;
 mod string_run;
 

@@ -161,6 +161,82 @@ fn a_trusted_peers_decision_is_kept() {
     assert_eq!(counted(&h, &names), ["infermesh.requests_total.class.interactive.pool.interactive.rule.trusted"]);
 }
 
+/// Every header the mesh reserves (the filter's, the sidecar's, the routes'): whatever a client
+/// sends under these names never reaches a pool.
+const INTERNAL_HEADERS: [&str; 14] = [
+    "x-infermesh-class", "x-infermesh-pool", "x-infermesh-rule", "x-infermesh-pool-level", "x-infermesh-ttft-give-up-ms",
+    "x-infermesh-served-by", "x-infermesh-model", "x-infermesh-degraded", "x-infermesh-degraded-reason", "x-infermesh-shed-by",
+    "x-infermesh-debug", "x-infermesh-class-hint", "x-infermesh-spilled-from", "x-infermesh-",
+];
+
+#[test]
+fn every_internal_header_from_outside_is_stripped_before_anything_reads_it() {
+    let (cfg, names) = module();
+    for name in INTERNAL_HEADERS {
+        for source in [None, Some("192.168.1.5:4000"), Some("not an address"), Some("10.9.0.1"), Some("[::ffff:10.7.0.1]:80")] {
+            let mut h = FakeHost::request("GET", "/v1/models", &[(name, "interactive"), ("x-priority", "low")]);
+            h.source = source.map(str::to_string);
+            Stream::default().on_request_headers(&cfg, &mut h, true);
+            let internal: Vec<_> = h.request.iter().filter(|(k, _)| k.starts_with("x-infermesh-")).cloned().collect();
+            let want: Vec<(String, String)> =
+                [(HEADER_CLASS, "batch"), (HEADER_POOL, "batch"), (HEADER_RULE, "default")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            assert_eq!(internal, want, "{name} from {source:?}: only the filter's own decision remains");
+            assert_eq!(counted(&h, &names).iter().filter(|n| *n == "infermesh.stripped_requests_total").count(), 1, "{name}");
+        }
+    }
+    // The ORCA load report is a response header: one a client sends is not the mesh's, and no
+    // part of the filter reads it (Envoy's weighted round robin reads upstream responses only).
+    let mut h = FakeHost::request("GET", "/v1/models", &[("endpoint-load-metrics", "TEXT application_utilization=0.0")]);
+    Stream::default().on_request_headers(&cfg, &mut h, true);
+    assert_eq!(h.header(HEADER_POOL), Some("batch"));
+    assert!(!counted(&h, &names).contains(&"infermesh.stripped_requests_total".to_string()));
+}
+
+#[test]
+fn a_client_cannot_pass_a_routing_header_through_a_header_rule() {
+    // A rule that reads an x-infermesh-* header is only ever satisfied by a trusted peer: from
+    // outside, the header is gone before the rules run.
+    let cfg = r#"{"version": 1, "default_class": "batch", "classes": {"interactive": {"pool": "interactive"}, "batch": {"pool": "batch"}},
+        "rules": [{"name": "hint", "class": "interactive", "match": {"headers": [{"name": "x-infermesh-class-hint", "exact": "i"}]}}],
+        "trusted_sources": {"cidrs": ["10.8.0.0/16"]}}"#;
+    let cfg = ModuleConfig::new(FilterConfig::parse(cfg.as_bytes()).expect("config"), &mut |_| None);
+    let mut outside = FakeHost::request("GET", "/v1/models", &[("x-infermesh-class-hint", "i")]);
+    outside.source = Some("192.168.0.9:1".into());
+    Stream::default().on_request_headers(&cfg, &mut outside, true);
+    assert_eq!(outside.header(HEADER_RULE), Some("default"));
+    assert_eq!(outside.header("x-infermesh-class-hint"), None);
+    let mut peer = FakeHost::request("GET", "/v1/models", &[("x-infermesh-class-hint", "i")]);
+    peer.source = Some("10.8.0.9:1".into());
+    Stream::default().on_request_headers(&cfg, &mut peer, true);
+    assert_eq!(peer.header(HEADER_RULE), Some("hint"), "a trusted peer's partial decision is decided here, on its headers");
+    assert_eq!(peer.header("x-infermesh-class-hint"), Some("i"), "and kept");
+}
+
+#[test]
+fn a_trusted_peers_made_up_names_are_counted_as_other_and_define_nothing() {
+    let (cfg, names) = module();
+    let defined = names.len();
+    let cases = [
+        (("interactive", "batch"), "infermesh.requests_total.class.interactive.pool.batch.rule.trusted"),
+        (("made-up", "interactive"), "infermesh.requests_total.class.other.pool.interactive.rule.trusted"),
+        (("batch", "made-up"), "infermesh.requests_total.class.batch.pool.other.rule.trusted"),
+        (("c1", "p1"), "infermesh.requests_total.class.other.pool.other.rule.trusted"),
+        (("", ""), "infermesh.requests_total.class.other.pool.other.rule.trusted"),
+    ];
+    for ((class, pool), want) in cases {
+        let mut h = FakeHost::request("GET", "/v1/models", &[("x-infermesh-class", class), ("x-infermesh-pool", pool), ("x-infermesh-ttft-give-up-ms", "50")]);
+        h.source = Some("10.8.3.4:5000".into());
+        assert_eq!(Stream::default().on_request_headers(&cfg, &mut h, true), Next::Continue);
+        assert_eq!(counted(&h, &names), [want], "{class}/{pool}");
+        assert_eq!((h.header(HEADER_CLASS), h.header(HEADER_POOL)), (Some(class), Some(pool)), "kept as the peer sent it");
+        assert_eq!(h.header("x-infermesh-ttft-give-up-ms"), Some("50"), "a trusted hop's other internal headers are kept too");
+    }
+    assert_eq!(names.len(), defined, "nothing defined after configure");
+    let trusted: Vec<_> = names.iter().filter(|n| n.ends_with(".rule.trusted")).collect();
+    // {batch, interactive, other} x {batch, interactive, other}
+    assert_eq!(trusted.len(), 9, "{trusted:?}");
+}
+
 #[test]
 fn a_trusted_peers_partial_decision_is_decided_here() {
     let (cfg, _) = module();

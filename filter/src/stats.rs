@@ -1,0 +1,169 @@
+//! Metric labels that come from request headers, bounded to the config's names.
+//!
+//! A trusted peer's decision (`x-infermesh-class` / `x-infermesh-pool`) is kept as it arrived and
+//! counted under its class and pool. Those values are whatever the peer sent, so a label that is
+//! not one of the config's classes (or pools) is counted as `other`: the counters are the config's
+//! classes and pools (and `other`) crossed, all defined when the config is accepted, and traffic
+//! can never define a new stat. Both glues (Wasm and the native module) use this.
+
+use crate::classify::TRUSTED_RULE;
+use crate::config::FilterConfig;
+
+/// The label of a class or pool the config does not name.
+pub const OTHER: &str = "other";
+
+/// The counter of a kept trusted decision: `requests_total` with the rule `trusted`.
+pub fn trusted_metric_name(class: &str, pool: &str) -> String {
+    format!("infermesh.requests_total.class.{class}.pool.{pool}.rule.{TRUSTED_RULE}")
+}
+
+/// The trusted-decision counters of one config, by (class label, pool label).
+#[derive(Debug, Default)]
+pub struct TrustedCounters<T> {
+    /// Sorted, `other` included once (a config may itself name a class or pool `other`; the
+    /// unknown ones then share its counter).
+    classes: Vec<String>,
+    pools: Vec<String>,
+    /// `classes.len() * pools.len()` ids, row-major by class.
+    ids: Vec<T>,
+}
+
+fn with_other<'a>(names: impl Iterator<Item = &'a str>) -> Vec<String> {
+    let mut v: Vec<String> = names.chain(std::iter::once(OTHER)).map(str::to_string).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// `name` if it is in the sorted `names`, else `other` (which always is).
+fn label<'a>(names: &'a [String], name: &str) -> (usize, &'a str) {
+    let i = names.binary_search_by(|n| n.as_str().cmp(name)).or_else(|_| names.binary_search_by(|n| n.as_str().cmp(OTHER)));
+    // `other` is always in the list; the fallback index only keeps this panic-free.
+    let i = i.unwrap_or(0);
+    (i, names.get(i).map_or(OTHER, String::as_str))
+}
+
+impl<T: Copy> TrustedCounters<T> {
+    /// Every counter a trusted peer's decision can touch, through `define` (none when the config
+    /// trusts no source: nothing is ever kept then).
+    pub fn define(config: &FilterConfig, define: &mut dyn FnMut(&str) -> T) -> TrustedCounters<T> {
+        if config.trusted.is_empty() {
+            return TrustedCounters { classes: Vec::new(), pools: Vec::new(), ids: Vec::new() };
+        }
+        let classes = with_other(config.classes.keys().map(String::as_str));
+        let pools = with_other(config.pool_names().into_iter());
+        let mut ids = Vec::with_capacity(classes.len() * pools.len());
+        for c in &classes {
+            for p in &pools {
+                ids.push(define(&trusted_metric_name(c, p)));
+            }
+        }
+        TrustedCounters { classes, pools, ids }
+    }
+
+    /// The labels `class` and `pool` are counted under.
+    pub fn labels<'a>(&'a self, class: &str, pool: &str) -> (&'a str, &'a str) {
+        (label(&self.classes, class).1, label(&self.pools, pool).1)
+    }
+
+    /// The counter of a kept decision naming `class` and `pool` (`None`: none defined).
+    pub fn get(&self, class: &str, pool: &str) -> Option<T> {
+        if self.ids.is_empty() {
+            return None;
+        }
+        let (c, p) = (label(&self.classes, class).0, label(&self.pools, pool).0);
+        self.ids.get(c * self.pools.len() + p).copied()
+    }
+
+    /// How many counters were defined.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &str) -> FilterConfig {
+        FilterConfig::parse(
+            format!(
+                r#"{{"version": 1, "default_class": "batch",
+                "classes": {{"interactive": {{"pool": "gpu"}}, "batch": {{"pool": "cheap"}}, "eval": {{"pool": "cheap"}}}}
+                {extra}}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    fn defined(cfg: &FilterConfig) -> (TrustedCounters<usize>, Vec<String>) {
+        let mut names = Vec::new();
+        let t = TrustedCounters::define(cfg, &mut |n| {
+            names.push(n.to_string());
+            names.len() - 1
+        });
+        (t, names)
+    }
+
+    #[test]
+    fn every_label_pair_is_defined_once_at_configure_time_and_nothing_else() {
+        let cfg = config(r#", "trusted_sources": {"cidrs": ["10.0.0.0/8"]},
+            "degraded_routing": {"pools": {"spare": {}}}"#);
+        let (t, names) = defined(&cfg);
+        // classes {batch, eval, interactive, other} x pools {cheap, gpu, other, spare}
+        assert_eq!(names.len(), 16);
+        assert_eq!(t.len(), 16);
+        let mut unique = names.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), 16, "no name defined twice: {names:?}");
+        assert!(names.contains(&"infermesh.requests_total.class.interactive.pool.gpu.rule.trusted".to_string()));
+        assert!(names.contains(&"infermesh.requests_total.class.other.pool.other.rule.trusted".to_string()));
+        assert!(names.contains(&"infermesh.requests_total.class.eval.pool.spare.rule.trusted".to_string()));
+    }
+
+    #[test]
+    fn unknown_labels_are_counted_as_other_each_on_its_own() {
+        let cfg = config(r#", "trusted_sources": {"principals": ["spiffe://gw"]}"#);
+        let (t, names) = defined(&cfg);
+        let name = |c: &str, p: &str| names[t.get(c, p).unwrap()].clone();
+        assert_eq!(name("interactive", "gpu"), trusted_metric_name("interactive", "gpu"));
+        assert_eq!(name("interactive", "cheap"), trusted_metric_name("interactive", "cheap"), "a known pair the peer chose");
+        assert_eq!(name("made-up", "gpu"), trusted_metric_name("other", "gpu"));
+        assert_eq!(name("batch", "made-up"), trusted_metric_name("batch", "other"));
+        assert_eq!(name("", ""), trusted_metric_name("other", "other"));
+        assert_eq!(name("x".repeat(10_000).as_str(), "\u{0}.rule.x"), trusted_metric_name("other", "other"));
+        assert_eq!(t.labels("zzz", "gpu"), ("other", "gpu"));
+        // However many made-up names arrive, no counter is added (the host's define is never
+        // called after configure: `defined` holds every name there is).
+        let before = names.len();
+        for i in 0..10_000 {
+            assert!(t.get(&format!("c{i}"), &format!("p{i}")).is_some());
+        }
+        assert_eq!(names.len(), before);
+    }
+
+    #[test]
+    fn a_class_or_pool_named_other_shares_the_bucket() {
+        let cfg = FilterConfig::parse(
+            br#"{"version": 1, "default_class": "other", "classes": {"other": {"pool": "other"}},
+                 "trusted_sources": {"cidrs": ["::1"]}}"#,
+        )
+        .unwrap();
+        let (t, names) = defined(&cfg);
+        assert_eq!(names, [trusted_metric_name("other", "other")]);
+        assert_eq!(t.get("nope", "nope"), Some(0));
+    }
+
+    #[test]
+    fn nothing_is_defined_when_no_source_is_trusted() {
+        let (t, names) = defined(&config(""));
+        assert!(names.is_empty() && t.is_empty());
+        assert_eq!(t.get("interactive", "gpu"), None);
+    }
+}
