@@ -23,8 +23,14 @@ Scenarios (each a sweep of load levels, `bench_report.py` turns the windows into
   (the drills' client) rise from none to `flood_multiples` × what the batch pool serves without
   queueing (measured first: one completion at a time).
 - `overload`: chats alone (the drills' client, with long and distinct prompts so prefix caching
-  shares nothing) rise past what the interactive pool's KV cache holds; the pools' KV readings
-  during each window are recorded, as proof of real pressure.
+  shares nothing) rise past what the interactive pool's KV cache holds, up to `EXTREME_MULTIPLE`
+  (100x) what it serves one at a time, held for `extreme_window_s` (30 s); the pools' KV readings
+  during each window are recorded, as proof of real pressure, and every refusal's time and
+  whether it carried Retry-After.
+
+Capacities come from a calibration that cannot be fooled by refusals: it waits until no breaker
+of any pool acts, counts only successful, undegraded answers, and stops the bench, naming the
+pool and the statuses it got, when it cannot get enough of them (`CalibrationError`).
 
 Rounds alternate the set-ups (a rotated order every round) for every level, so each set-up sees
 the machine as the others did. The KV cache of every model is set to `kv_cache_bytes` (the same
@@ -70,6 +76,12 @@ pools it is another machine). The bench's own process (vLLM's serving-benchmark 
 the chats, 1-2 chats/s, and the watchers) runs on the interactive core, the side it measures."""
 BATCH_TOKENS = 24
 """Tokens a batch completion of the drills' client asks for (`Drill.batch`)."""
+EXTREME_MULTIPLE = 100.0
+"""The overload sweep's extreme level, in multiples of the interactive pool's capacity."""
+
+
+class CalibrationError(RuntimeError):
+    """The calibration could not measure a pool: too few successful, undegraded answers."""
 
 
 @dataclass
@@ -87,8 +99,16 @@ class BenchOptions:
     under each round's p99 (1/s for 8 s left 8, so one chat decided the ratio)."""
     flood_multiples: tuple[float, ...] = (0.0, 1.0, 3.0, 10.0)
     """Batch flood: batch load as multiples of the batch pool's capacity without queueing."""
-    overload_multiples: tuple[float, ...] = (0.5, 2.0, 6.0)
+    overload_multiples: tuple[float, ...] = (0.5, 2.0, 6.0, EXTREME_MULTIPLE)
     """Overload: chat load as multiples of the interactive pool's one-at-a-time capacity."""
+    extreme_window_s: float = 30.0
+    """Length of an overload window at `EXTREME_MULTIPLE` or more (the issue's 30 s at 100x)."""
+    calibration_requests: int = 5
+    """Successful, undegraded answers the calibration times per pool (after 2 warm-up answers)."""
+    calibration_attempts: int = 20
+    """Requests the calibration may send per pool to get them; fewer good answers stop the bench."""
+    calibration_settle_s: float = 120.0
+    """How long the calibration waits for every pool's breakers to stop acting."""
     overload_prompt_words: int = 120
     overload_max_tokens: int = 48
     ttft_target_s: float = 1.0
@@ -100,7 +120,8 @@ class BenchOptions:
 
     @classmethod
     def quick(cls) -> "BenchOptions":
-        return cls(rounds=2, window_s=12.0, overload_window_s=16.0, flood_multiples=(0.0, 10.0), overload_multiples=(0.5, 6.0))
+        return cls(rounds=2, window_s=12.0, overload_window_s=16.0, flood_multiples=(0.0, 10.0),
+                   overload_multiples=(0.5, 6.0, EXTREME_MULTIPLE))
 
 
 @dataclass
@@ -137,18 +158,27 @@ class Window:
     and the share of samples it was running on CPU 0 (the interactive pool's engines' core)."""
     vllm_summary: dict = field(default_factory=dict)
     """vllm-bench windows: vLLM's own figures for the window (its goodput and p99s), for comparison."""
+    multiple: float | None = None
+    """Overload: the level as a multiple of the interactive pool's calibrated capacity."""
+    refusal_s: list[float] = field(default_factory=list)
+    """Overload: seconds from sending to the whole answer, of every 429/503."""
+    refusals_without_retry_after: int = 0
+    """Overload: 429/503 answers that carried no Retry-After."""
 
 
 class BenchDrill(Drill):
     """The drills' load and records, aimed at one set-up; chats with long, distinct prompts for overload."""
 
-    def __init__(self, mesh, options: DrillOptions, base_url: str, long_chats: BenchOptions | None = None):
+    def __init__(self, mesh, options: DrillOptions, base_url: str, long_chats: BenchOptions | None = None, rate: float = 0.0):
         super().__init__(mesh, options)
         self.base_url = base_url
         self.long = long_chats
         self._n = 0
+        # Enough connections for every request the rate can have open until the timeout: a
+        # request waiting for one of the client's own connections would be lost by the client.
+        conns = max(1024, int(rate * options.request_timeout_s * 1.5))
         self.client = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(options.request_timeout_s, connect=5.0),
-                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128))
+                                        limits=httpx.Limits(max_connections=conns, max_keepalive_connections=128))
 
     def chat_body(self) -> dict:
         if self.long is None:
@@ -181,6 +211,47 @@ class BenchDrill(Drill):
                 r.outcome = classify(r, home, None)
                 c[r.outcome if r.outcome in c else "failed"] += 1
         return c
+
+
+def good(r) -> bool:
+    """A successful, undegraded answer: the only kind a capacity may be measured on."""
+    return r.status == 200 and r.complete and r.error is None and not r.degraded_header
+
+
+def outcome_label(r) -> str:
+    """One answer as the calibration reports it: its status (and error code), or what went wrong."""
+    if r.status is None:
+        return "no answer" + (f" ({r.error.split(':')[0]})" if r.error else "")
+    if r.status == 200:
+        return "200" if good(r) else ("200 degraded" if r.degraded_header else "200 incomplete")
+    return f"{r.status} {r.error_code}" if r.error_code else str(r.status)
+
+
+async def calibrate_pool(d, send, pool: str, kind: str, opt: BenchOptions, settle) -> dict:
+    """Time `opt.calibration_requests` good answers of `send`, one at a time, after 2 good warm-up
+    answers, within `opt.calibration_attempts` requests; a refusal waits for the pool to settle
+    before the next try. Raises CalibrationError, naming the pool and the statuses, when it cannot."""
+    from collections import Counter
+
+    need = 2 + opt.calibration_requests
+    good_ones = []
+    for _ in range(opt.calibration_attempts):
+        await send()
+        r = d.requests[-1]
+        if good(r):
+            good_ones.append(r)
+            if len(good_ones) >= need:
+                break
+        else:
+            await settle()  # a refusal or a degraded answer: the pool was protecting itself
+    outcomes = dict(Counter(outcome_label(r) for r in d.requests))
+    timed = good_ones[2:]
+    if len(timed) < opt.calibration_requests:
+        raise CalibrationError(f"calibration: pool {pool} gave {len(good_ones)} successful, undegraded {kind} answers in "
+                               f"{len(d.requests)} requests (needed {need}); answers: {outcomes}")
+    lat = statistics.median(r.done - r.sent for r in timed)
+    return {"pool": pool, "one_at_a_time_s": round(lat, 3), "capacity_rps": round(1 / lat, 2), "outcomes": outcomes,
+            "timed_ms": [round((r.done - r.sent) * 1000, 1) for r in timed]}
 
 
 # -- the set-ups --------------------------------------------------------------------------------
@@ -280,9 +351,9 @@ class Bench:
 
     # -- load -------------------------------------------------------------------------------------
 
-    def drill(self, setup: str, long_chats: bool = False) -> BenchDrill:
+    def drill(self, setup: str, long_chats: bool = False, rate: float = 0.0) -> BenchDrill:
         opts = DrillOptions(request_timeout_s=self.opt.request_timeout_s)
-        return BenchDrill(self.mesh, opts, self.urls[setup], self.opt if long_chats else None)
+        return BenchDrill(self.mesh, opts, self.urls[setup], self.opt if long_chats else None, rate)
 
     def home(self, setup: str) -> dict[str, str]:
         """Where each kind belongs: only the mesh has homes (a spill is a degradation); the
@@ -290,21 +361,23 @@ class Bench:
         return {"interactive": self.interactive_pool, "batch": "batch"} if setup == "infermesh" else {}
 
     async def calibrate(self) -> None:
-        """What each pool serves without queueing: one request at a time, straight to its sidecar."""
+        """What each pool serves without queueing: one request at a time, straight to its sidecar,
+        once no breaker of any pool acts. Only successful, undegraded answers are timed; every
+        answer is kept in `calibration[kind]["outcomes"]`, and too few good ones stop the bench."""
+        level = await self.settle(self.opt.calibration_settle_s)
+        if level != 0:
+            raise CalibrationError(f"calibration: the pools' breakers still acted (highest level {level}) after "
+                                   f"{self.opt.calibration_settle_s:.0f} s; not measuring a pool that is protecting itself")
         for pool, long_chats, kind in (("batch", False, "batch"), (self.interactive_pool, True, "interactive")):
             d = BenchDrill(self.mesh, DrillOptions(request_timeout_s=self.opt.request_timeout_s), self.mesh.sidecar_url(pool),
                            self.opt if long_chats else None)
             try:
-                for _ in range(2):  # warm-up
-                    await getattr(d, kind)()
-                d.requests.clear()
-                for _ in range(5):
-                    await getattr(d, kind)()
+                self.calibration[kind] = await calibrate_pool(d, getattr(d, kind), pool, kind, self.opt, self.settle)
             finally:
                 await d.client.aclose()
-            lat = statistics.median(r.done - r.sent for r in d.requests if r.done is not None)
-            self.calibration[kind] = {"pool": pool, "one_at_a_time_s": round(lat, 3), "capacity_rps": round(1 / lat, 2)}
-            self.say(f"calibration: pool {pool} serves one {kind} request in {lat * 1000:.0f} ms -> {1 / lat:.2f}/s without queueing")
+            c = self.calibration[kind]
+            self.say(f"calibration: pool {pool} serves one {kind} request in {c['one_at_a_time_s'] * 1000:.0f} ms -> "
+                     f"{c['capacity_rps']:.2f}/s without queueing (answers: {c['outcomes']})")
 
     async def _kv_watch(self, setup: str, stop: asyncio.Event, w: Window) -> None:
         t0 = time.monotonic()
@@ -462,19 +535,24 @@ class Bench:
                 await asyncio.sleep(0.5)
 
     async def overload_window(self, setup: str, level: float, rnd: int) -> Window:
-        d = self.drill(setup, long_chats=True)
-        w = Window("overload", setup, level, rnd, "drill", self.opt.overload_window_s)
+        d = self.drill(setup, long_chats=True, rate=level)
+        multiple = level / self.calibration["interactive"]["capacity_rps"]
+        seconds = self.opt.extreme_window_s if multiple >= EXTREME_MULTIPLE - 1e-6 else self.opt.overload_window_s
+        w = Window("overload", setup, level, rnd, "drill", seconds, multiple=round(multiple, 1))
         w.level_at_start = await self.settle()
         stop = asyncio.Event()
         watch = asyncio.get_running_loop().create_task(self._kv_watch(setup, stop, w))
         try:
-            await d.window(level, 0, self.opt.overload_window_s)
+            await d.window(level, 0, seconds)
         finally:
             stop.set()
             await watch
             await d.client.aclose()
         w.interactive = d.outcomes("interactive", self.home(setup))
         w.ttfts = [r.ttft for r in d.requests if r.ttft is not None and r.outcome in ("ok", "degraded")]
+        refused = [r for r in d.requests if r.status in (429, 503)]
+        w.refusal_s = [round(r.done - r.sent, 4) for r in refused if r.done is not None]
+        w.refusals_without_retry_after = sum(1 for r in refused if not r.retry_after)
         return w
 
     async def run(self, scenarios: list[str]) -> None:
@@ -541,6 +619,9 @@ def run_cli(args: argparse.Namespace) -> int:
         asyncio.run(bench.run(scenarios))
     except LaunchError as e:
         say(f"a set-up failed to start: {e}")
+        return 1
+    except CalibrationError as e:
+        say(f"stopped: {e}")
         return 1
     except KeyboardInterrupt:
         say("interrupted")

@@ -24,6 +24,10 @@ FLOOD_TARGET = 1.5
 OVERLOAD_TARGET = 2.0
 """infermesh's goodput under overload must be at least this many times vllm-serve's."""
 OUTCOME_KEYS = ("ok", "degraded", "shed", "failed", "lost")
+EXTREME_MULTIPLE = 100.0
+"""The overload level (x the interactive pool's capacity) the extreme-overload target is judged at."""
+REFUSAL_TARGET_S = 1.0
+"""At the extreme level, the p99 time from sending a chat to its whole refusal."""
 
 
 def _ms(x: float | None) -> float | None:
@@ -75,6 +79,10 @@ def figure(windows: list[dict], target_s: float) -> dict:
         "degraded_after_s": spread([w.get("degraded_after_s") for w in windows]),
         "cpu": _mean_cpu([w.get("cpu") or {} for w in windows]),
         "level_at_start_max": max((w["level_at_start"] for w in windows if w.get("level_at_start") is not None), default=None),
+        "multiple": max((w["multiple"] for w in windows if w.get("multiple") is not None), default=None),
+        "refusal_ms": {"n": len(ref := [t for w in windows for t in w.get("refusal_s", [])]), "p50": _ms(percentile(ref, 50)),
+                       "p99": _ms(percentile(ref, 99)), "max": _ms(max(ref, default=None))},
+        "refusals_without_retry_after": sum(w.get("refusals_without_retry_after", 0) for w in windows),
     }
 
 
@@ -98,15 +106,22 @@ def build_report(windows: list[dict], target_s: float, calibration: dict, meta: 
         levels = sorted({w["level"] for w in ws})
         figs = {s: {str(lv): figure([w for w in ws if w["setup"] == s and w["level"] == lv], target_s)
                     for lv in levels if any(w["setup"] == s and w["level"] == lv for w in ws)} for s in SETUPS}
-        rep["scenarios"][scenario] = {"levels": levels, "client": client, "figures": figs,
+        rep["scenarios"][scenario] = {"levels": levels, "client": client, "figures": figs, "top": sweep_top(ws, levels),
                                       "ratios": _ratios(scenario, ws, figs, levels, target_s)}
     rep["agreement"] = agreement(windows)
     rep["targets"] = targets(rep)
     return rep
 
 
+def sweep_top(ws: list[dict], levels: list[float]) -> float:
+    """The sweep's highest level below the extreme one (its ratio and target are judged there, as
+    before the extreme level was added; the extreme level has its own target)."""
+    below = [lv for lv in levels if all((w.get("multiple") or 0) < EXTREME_MULTIPLE - 0.5 for w in ws if w["level"] == lv)]
+    return below[-1] if below else levels[-1]
+
+
 def _ratios(scenario: str, ws: list[dict], figs: dict, levels: list[float], target_s: float) -> dict:
-    lo, hi = str(levels[0]), str(levels[-1])
+    lo, hi = str(levels[0]), str(sweep_top(ws, levels))
     out = {}
     for s in SETUPS:
         if lo not in figs[s] or hi not in figs[s]:
@@ -156,7 +171,7 @@ def targets(rep: dict) -> list[dict]:
                     "measured": r, "others": others})
     over = rep["scenarios"].get("overload")
     if over:
-        hi = str(over["levels"][-1])
+        hi = str(over.get("top", over["levels"][-1]))
         g = over["ratios"].get("infermesh", {}).get("goodput_vs_vllm_serve")
         fig = over["figures"]["infermesh"].get(hi, {})
         counts = fig.get("interactive", {})
@@ -164,7 +179,36 @@ def targets(rep: dict) -> list[dict]:
                     "met": g is not None and g >= OVERLOAD_TARGET and counts.get("lost", 1) == 0 and counts.get("failed", 1) == 0,
                     "measured": g, "lost": counts.get("lost"), "failed": counts.get("failed"),
                     "kv_cache_max": {s: over["figures"][s].get(hi, {}).get("kv_cache_max") for s in SETUPS}})
+        if (x := extreme(over)) is not None:
+            out.append(x)
     return out
+
+
+def extreme(over: dict) -> dict | None:
+    """The extreme-overload target at the first level of >= EXTREME_MULTIPLE x capacity: zero
+    lost, p99 time to a refusal within REFUSAL_TARGET_S, goodput no lower than at the level
+    nearest 6x, every refusal with Retry-After."""
+    figs = over["figures"]["infermesh"]
+    by_mult = {lv: f.get("multiple") for lv, f in figs.items() if f.get("multiple") is not None}
+    top = [lv for lv, m in by_mult.items() if m >= EXTREME_MULTIPLE - 0.5]
+    if not top:
+        return None
+    hi = min(top, key=float)
+    rest = [lv for lv in by_mult if lv not in top]
+    mid = min(rest, key=lambda lv: abs(by_mult[lv] - 6.0)) if rest else None
+    f = figs[hi]
+    g_hi, g_mid = f["goodput_rps"]["median"], figs[mid]["goodput_rps"]["median"] if mid else None
+    counts, p99 = f["interactive"], f["refusal_ms"]["p99"]
+    met = (counts.get("lost", 1) == 0 and (p99 is None or p99 <= REFUSAL_TARGET_S * 1000) and g_hi is not None
+           and (g_mid is None or g_hi >= g_mid) and f["refusals_without_retry_after"] == 0)
+    return {"target": f"extreme overload ({by_mult[hi]:.0f}x capacity): infermesh loses none, p99 refusal <= "
+                      f"{REFUSAL_TARGET_S * 1000:.0f} ms, goodput >= at {by_mult[mid]:.0f}x, every refusal with Retry-After"
+                      if mid else "extreme overload", "met": met,
+            "measured": {"goodput_rps": g_hi, "goodput_rps_mid": g_mid, "refusal_p99_ms": p99, "lost": counts.get("lost"),
+                         "refusals_without_retry_after": f["refusals_without_retry_after"]},
+            "others": {s: {"lost": over["figures"][s].get(hi, {}).get("interactive", {}).get("lost"),
+                           "goodput_rps": over["figures"][s].get(hi, {}).get("goodput_rps", {}).get("median")}
+                       for s in SETUPS if s != "infermesh"}}
 
 
 # -- text and picture --------------------------------------------------------------------------
@@ -179,7 +223,8 @@ def format_report(rep: dict) -> str:
         lines.append("  CPUs: " + ", ".join(f"{k} {v}" for k, v in rep["cpu_cores"].items())
                      + (f" (pinned: {rep['pinned']})" if rep.get("pinned") else ""))
     for kind, c in rep.get("calibration", {}).items():
-        lines.append(f"  capacity without queueing, {kind}: {c['capacity_rps']}/s (pool {c['pool']}, one request in {c['one_at_a_time_s'] * 1000:.0f} ms)")
+        lines.append(f"  capacity without queueing, {kind}: {c['capacity_rps']}/s (pool {c['pool']}, one request in {c['one_at_a_time_s'] * 1000:.0f} ms)"
+                     + (f"; calibration answers {c['outcomes']}, timed {c.get('timed_ms')} ms" if c.get("outcomes") else ""))
     for scenario, sc in rep["scenarios"].items():
         unit = "batch/s" if scenario == "batch-flood" else "chats/s"
         lines += ["", f"{scenario} (chats measured by {sc['client']}; figures pooled over rounds, p99 range = each round's p99)",
@@ -205,6 +250,11 @@ def format_report(rep: dict) -> str:
                      if (f.get("level_at_start_max") or 0) >= 1]
         if unsettled:
             lines.append("  windows that began with a pool still shedding or degraded: " + ", ".join(unsettled))
+        refusals = [f"{s} {float(lv):g}/s ({f['multiple']:g}x): p50 {_f(f['refusal_ms']['p50'])} / p99 {_f(f['refusal_ms']['p99'])} ms "
+                    f"over {f['refusal_ms']['n']}, {f['refusals_without_retry_after']} without Retry-After"
+                    for s in SETUPS for lv, f in sc["figures"][s].items() if f.get("multiple") is not None and f["refusal_ms"]["n"]]
+        if refusals:
+            lines.append("  time to a refusal (429/503): " + "; ".join(refusals))
         top = str(sc["levels"][-1])
         for s in SETUPS:
             cpu = sc["figures"][s].get(top, {}).get("cpu")
