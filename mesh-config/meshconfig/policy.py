@@ -562,7 +562,7 @@ class PolicyError(Exception):
         self.path = path
         self.problems = problems
         self.reason = reason
-        lines = [f"{_one_line(path)}:{line or '?'}: {field}: {_one_line(msg)}" for line, field, msg in problems]
+        lines = [f"{_one_line(path)}:{line or '?'}: {_one_line(field, 200)}: {_one_line(msg)}" for line, field, msg in problems]
         super().__init__("\n".join(lines))
 
 
@@ -600,6 +600,9 @@ def _problem(err: dict) -> tuple[list, str]:
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     return loc, msg
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _YamlLimit(yaml.MarkedYAMLError):
@@ -650,12 +653,18 @@ class _BoundedLoader(yaml.SafeLoader):
 
     def construct_object(self, node, deep=False):
         try:
-            return super().construct_object(node, deep)
-        except yaml.YAMLError:
+            value = super().construct_object(node, deep)
+        except (yaml.YAMLError, RecursionError, MemoryError):
             raise
-        except (ValueError, TypeError, OverflowError, ArithmeticError) as e:
-            raise yaml.constructor.ConstructorError(None, None, f"cannot read this {node.tag.rsplit(':', 1)[-1]}: {e}",
+        except Exception as e:  # noqa: BLE001 — PyYAML's own constructors raise ValueError, AttributeError, …
+            why = f": {e}" if isinstance(e, (ValueError, OverflowError)) else ""  # else PyYAML's own slip, no news to the user
+            raise yaml.constructor.ConstructorError(None, None, f"not a valid {node.tag.rsplit(':', 1)[-1]}{why}",
                                                     node.start_mark) from e
+        if isinstance(value, str) and _SURROGATE.search(value):
+            # "\ud800" in double quotes: no character, and nothing downstream can encode it.
+            raise yaml.constructor.ConstructorError(None, None, "a lone UTF-16 surrogate (\\uD800-\\uDFFF escape) is not a character",
+                                                    node.start_mark)
+        return value
 
 
 def _compose(text: str, path: str) -> tuple[yaml.Node | None, Any]:
@@ -678,6 +687,8 @@ def _compose(text: str, path: str) -> tuple[yaml.Node | None, Any]:
         raise PolicyError(path, [(None, "(yaml)", str(e))], "yaml") from e
     except RecursionError as e:  # not expected below MAX_YAML_DEPTH; never a traceback though
         raise PolicyError(path, [(None, "(yaml)", "nested too deeply to read")], "depth") from e
+    except Exception as e:  # noqa: BLE001 — a bug of PyYAML's or ours: the file is refused, never a traceback
+        raise PolicyError(path, [(None, "(yaml)", f"could not be read: {type(e).__name__}: {e}")], "internal") from e
     finally:
         if loader is not None:
             loader.dispose()
