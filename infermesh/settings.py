@@ -95,7 +95,7 @@ class ClassSettings(Strict):
     """Time to first token a request of this class is admitted for: a sidecar admits it only when
     what its pool is measured to serve says the first token comes by then, and refuses one that
     waits for an engine slot as soon as it no longer can (429 with Retry-After, before vLLM sees
-    it; docs/sidecar.md, "Time-bounded admission"). Default: 1000 for a class that is not
+    it; docs/breakers.md, "Time-bounded admission"). Default: 1000 for a class that is not
     `sheddable`, 10000 for a sheddable one."""
 
     @property

@@ -125,10 +125,10 @@ class EngineSlots:
     def check_arrival(self, target_s: float, priority: int, what: str) -> None:
         """Raise TargetUnreachable when a request arriving now cannot get its first token within
         `target_s`; its Retry-After is how far over the target the estimate is (at least 1 s)."""
+        if self.busy == 0 and not self.waiting:
+            return  # an idle engine starts it at once; this is also how a high first-token estimate is measured again
         position = self.ahead(priority)
         wait = self.start_wait(position)
-        if wait == 0.0:
-            return  # a free slot: vLLM starts it at once, whatever its last TTFTs were
         if wait is None:
             raise TargetUnreachable(f"{what}: all {self.slots} engine slots are busy and no request has finished yet to "
                                     f"measure a wait by", code="ttft_target_unreachable", retry_after_s=1)
@@ -136,8 +136,10 @@ class EngineSlots:
         if wait + first <= target_s:
             return
         raise TargetUnreachable(
-            f"{what}: {position} requests wait for {self.slots} engine slots, started at {self.rate:.2f}/s, so its "
-            f"first token would come in about {(wait + first) * 1000:.0f} ms, past its {target_s * 1000:.0f} ms target",
+            f"{what}: {position} requests wait for {self.busy}/{self.slots} busy engine slots"
+            + (f", started at {self.rate:.2f}/s" if self.rate else "")
+            + f", and vLLM takes {first * 1000:.0f} ms to a first token: its first token would come in about "
+            f"{(wait + first) * 1000:.0f} ms, past its {target_s * 1000:.0f} ms target",
             code="ttft_target_unreachable", retry_after_s=max(1.0, math.ceil(wait + first - target_s)))
 
     def expire(self) -> list[Waiter]:

@@ -34,11 +34,19 @@ def test_the_estimated_wait_is_the_place_in_line_over_the_measured_rate(fake_clo
     assert s.estimate(-1) == pytest.approx(0.5 + 0.1), "a more important class waits in front of them"
 
 
-def test_a_free_slot_admits_whatever_the_last_ttfts_were(fake_clock):
-    s = EngineSlots(2, fake_clock)
+def test_an_idle_engine_admits_whatever_the_last_ttfts_were_a_busy_one_does_not(fake_clock):
+    s = EngineSlots(4, fake_clock)
     s.measured_first_token(5.0)
-    s.check_arrival(1.0, 0, "x")  # no raise: vLLM starts it at once
+    s.check_arrival(1.0, 0, "x")  # no raise: vLLM starts it at once, and measures its TTFT again
     assert s.enqueue(0, 1.0).started_at == 0.0
+    # A free slot is not a first token in time: vLLM's own queue (a full KV cache) is in first_token_s.
+    with pytest.raises(TargetUnreachable) as e:
+        s.check_arrival(1.0, 0, "x")
+    assert e.value.retry_after_s == 4
+    s.measured_first_token(0.1)
+    for _ in range(20):
+        s.measured_first_token(0.1)
+    s.check_arrival(1.0, 0, "x")
 
 
 def test_refused_on_arrival_past_the_target_with_retry_after_from_the_estimate(fake_clock):
