@@ -74,6 +74,10 @@ BAD_FILES = {
     "a NUL byte": (_write_bytes(GOOD.encode()[:40] + b"\x00" + GOOD.encode()[40:]), "encoding", "#x0000"),
     "YAML syntax": (_write_bytes(GOOD.encode() + b"\n  bad: [unclosed\n"), "yaml", "(yaml)"),
     "a bad timestamp": (_write_bytes(GOOD.replace("version: 1", "version: 2020-13-45").encode()), "yaml", "month must be"),
+    # Both escaped load_policy before (found by the fuzz with other seeds): PyYAML's AttributeError, a validator's UnicodeEncodeError.
+    "a !!timestamp that does not parse": (_write_bytes(GOOD.replace("version: 1", "version: !!timestamp soon").encode()), "yaml",
+                                          "not a valid timestamp"),
+    "a lone surrogate escape": (_write_bytes(GOOD.replace("- name: chat\n", '- name: "chat\\ud800"\n').encode()), "yaml", "lone UTF-16 surrogate"),
     "a huge file": (_write_bytes(GOOD.encode() + b"#" * MAX_POLICY_BYTES), "size", "at most"),
     "a directory": (_make_dir, "io", "is a directory"),
     "a FIFO (would block a reader)": (_make_fifo, "io", "not a regular file"),
