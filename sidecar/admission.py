@@ -5,9 +5,9 @@ the top class, `shed` refuses sheddable classes), the concurrency limit and uniq
 and picks the model (the ladder's fallback while the pool is degraded). It also keeps the table
 of requests in flight, which the lifecycle empties on release.
 
-Time-bounded admission (EngineSlots): each model hands vLLM at most `max_num_seqs` requests at
-once (what it batches; more would wait in vLLM's scheduler, out of reach); the others wait here,
-by class priority, then arrival. What waits is bounded by time: a request is admitted only when
+Time-bounded admission (EngineSlots): each model hands vLLM at most a measured number of requests
+at once (up to `max_num_seqs`, what it batches; more would wait in vLLM's scheduler, out of
+reach); the others wait here, by class priority, then arrival. What waits is bounded by time: a request is admitted only when
 its estimated first token (its place in line over the pool's measured rate, plus vLLM's measured
 time to a first token) comes within its class's TTFT target, and one that waits is refused as
 soon as it no longer can, before vLLM sees it.
@@ -50,6 +50,11 @@ EWMA_WEIGHT = 0.2
 """Weight of the newest measurement in the pool's service estimates: about the last ten requests."""
 
 
+COLD_SHARE = 4
+"""A model nothing has been measured on gets max_num_seqs / this at once (the e2e run at 100x that
+gave a cold engine all 32 of its slots, with a KV cache for ~8 chats, served chats 17 s late)."""
+
+
 class TargetUnreachable(Overloaded):
     """Refused by time-bounded admission: the first token could not come within the class's target."""
 
@@ -73,12 +78,17 @@ class Waiter:
 class EngineSlots:
     """One model's engine slots and the line in front of them, with what the pool is measured to serve.
 
-    The rate is measured, never configured: slots / the mean time a request holds one (Little's
+    How many requests vLLM gets at once (`cap`) is measured too: it grows by one with each first
+    token that came within half its target and shrinks by a quarter when one came past it (once
+    per round: only for a request started after the last cut), between 1 and `slots`. A free
+    slot of `max_num_seqs` is not a first token in time: a full KV cache, or a CPU shared with the
+    refusals, queues inside vLLM. The rate is cap / the mean time a request holds a slot (Little's
     law), so it follows the model, the prompts, the machine and the batch as they are. The
     decisions (`start_wait`, `check_arrival`, `expire`) read the injected clock and never wait;
     `acquire` is the asyncio glue."""
 
     slots: int
+    """The most vLLM may get at once: the model's `max_num_seqs`."""
     clock: Callable[[], float] = time.monotonic
     hold_s: float | None = None
     """EWMA of how long a request holds a slot (from its start in vLLM to its release)."""
@@ -88,19 +98,38 @@ class EngineSlots:
     waiting: list[Waiter] = field(default_factory=list)
     refused_waiting: int = 0
     """Requests refused while they waited (counted for the state endpoint)."""
+    limit: float | None = None
+    """The measured concurrency (see the class); starts at a quarter of `slots`."""
+    _cut_at: float = -math.inf
+
+    def __post_init__(self) -> None:
+        if self.limit is None:
+            self.limit = float(max(1, self.slots // COLD_SHARE))
 
     # -- measurements ---------------------------------------------------------------------------
 
     def measured_hold(self, seconds: float) -> None:
         self.hold_s = seconds if self.hold_s is None else self.hold_s + EWMA_WEIGHT * (seconds - self.hold_s)
 
-    def measured_first_token(self, seconds: float) -> None:
+    def measured_first_token(self, seconds: float, target_s: float = math.inf, started_at: float | None = None) -> None:
+        """vLLM's time to a request's first token (from its start there), and the cap's step."""
         self.first_token_s = seconds if self.first_token_s is None else self.first_token_s + EWMA_WEIGHT * (seconds - self.first_token_s)
+        if seconds <= target_s / 2:
+            self.limit = min(float(self.slots), self.limit + 1.0)
+            self._start_next()
+        elif seconds > target_s and (started_at is None or started_at > self._cut_at):
+            self.limit = max(1.0, self.limit * 0.75)
+            self._cut_at = self.clock()
+
+    @property
+    def cap(self) -> int:
+        """Requests vLLM gets at once now."""
+        return max(1, min(self.slots, int(self.limit)))
 
     @property
     def rate(self) -> float | None:
         """Requests the model starts per second while every slot is busy (None: nothing measured yet)."""
-        return self.slots / self.hold_s if self.hold_s else None
+        return self.cap / self.hold_s if self.hold_s else None
 
     # -- decisions ------------------------------------------------------------------------------
 
@@ -111,7 +140,7 @@ class EngineSlots:
     def start_wait(self, position: int) -> float | None:
         """Estimated wait for a slot of the request at `position` in line (0: first); None: no
         estimate (no slot free and nothing measured yet)."""
-        free = self.slots - self.busy
+        free = max(0, self.cap - self.busy)
         if position < free:
             return 0.0
         rate = self.rate
@@ -129,14 +158,16 @@ class EngineSlots:
             return  # an idle engine starts it at once; this is also how a high first-token estimate is measured again
         position = self.ahead(priority)
         wait = self.start_wait(position)
-        if wait is None:
-            raise TargetUnreachable(f"{what}: all {self.slots} engine slots are busy and no request has finished yet to "
-                                    f"measure a wait by", code="ttft_target_unreachable", retry_after_s=1)
+        if wait is None:  # nothing finished yet to measure a wait by: a line no longer than the cap
+            if position < self.cap:
+                return
+            raise TargetUnreachable(f"{what}: all {self.cap} engine slots are busy, {position} requests wait, and no request "
+                                    f"has finished yet to measure a wait by", code="ttft_target_unreachable", retry_after_s=1)
         first = self.first_token_s or 0.0
         if wait + first <= target_s:
             return
         raise TargetUnreachable(
-            f"{what}: {position} requests wait for {self.busy}/{self.slots} busy engine slots"
+            f"{what}: {position} requests wait for {self.busy}/{self.cap} busy engine slots"
             + (f", started at {self.rate:.2f}/s" if self.rate else "")
             + f", and vLLM takes {first * 1000:.0f} ms to a first token: its first token would come in about "
             f"{(wait + first) * 1000:.0f} ms, past its {target_s * 1000:.0f} ms target",
@@ -173,7 +204,7 @@ class EngineSlots:
             w.future.set_result(None)
 
     def _start_next(self) -> None:
-        while self.waiting and self.busy < self.slots:
+        while self.waiting and self.busy < self.cap:
             self._start(self.waiting.pop(0))
 
     # -- the line -------------------------------------------------------------------------------
@@ -182,7 +213,7 @@ class EngineSlots:
         """A slot now, or a place in line (by priority, then arrival)."""
         now = self.clock()
         w = Waiter(priority, now, now + target_s)
-        if self.busy < self.slots and not self.waiting:
+        if self.busy < self.cap and not self.waiting:
             self._start(w)
             return w
         i = len(self.waiting)
@@ -228,7 +259,7 @@ class EngineSlots:
         self._start_next()
 
     def snapshot(self) -> dict:
-        return {"slots": self.slots, "busy": self.busy, "waiting": len(self.waiting),
+        return {"slots": self.slots, "cap": self.cap, "busy": self.busy, "waiting": len(self.waiting),
                 "hold_ms": None if self.hold_s is None else round(self.hold_s * 1000, 1),
                 "first_token_ms": None if self.first_token_s is None else round(self.first_token_s * 1000, 1),
                 "rate_per_s": None if self.rate is None else round(self.rate, 2), "refused_waiting": self.refused_waiting}

@@ -195,7 +195,8 @@ class RequestLifecycle:
             engine_ttft = now - self._submitted_at if ttft_s is None else ttft_s
             ttft = engine_ttft + (self._submitted_at - self._admitted_at)
             adm = self.admission
-            self.pool.admission.slots[adm.engine.config.name].measured_first_token(engine_ttft)
+            w = adm.waiter
+            self.pool.admission.slots[adm.engine.config.name].measured_first_token(engine_ttft, adm.target_s, w and w.started_at)
             metrics = self.pool.metrics
             metrics.ttft.labels(self.front.value, self.label_class).observe(ttft)
             self._itl = metrics.itl.labels(self.front.value, self.label_class)

@@ -17,7 +17,7 @@ from infermesh.settings import ClassSettings
 
 def busy_slots(clock, slots=2, hold_s=1.0, first_token_s=0.1) -> EngineSlots:
     """Every slot held (`s.holders`), the pool measured: `slots / hold_s` requests start per second."""
-    s = EngineSlots(slots, clock)
+    s = EngineSlots(slots, clock, limit=slots)
     s.holders = [s.enqueue(0, 1.0) for _ in range(slots)]
     s.measured_hold(hold_s)
     s.measured_first_token(first_token_s)
@@ -35,7 +35,7 @@ def test_the_estimated_wait_is_the_place_in_line_over_the_measured_rate(fake_clo
 
 
 def test_an_idle_engine_admits_whatever_the_last_ttfts_were_a_busy_one_does_not(fake_clock):
-    s = EngineSlots(4, fake_clock)
+    s = EngineSlots(4, fake_clock, limit=4)
     s.measured_first_token(5.0)
     s.check_arrival(1.0, 0, "x")  # no raise: vLLM starts it at once, and measures its TTFT again
     assert s.enqueue(0, 1.0).started_at == 0.0
@@ -65,8 +65,10 @@ def test_refused_on_arrival_past_the_target_with_retry_after_from_the_estimate(f
     s.check_arrival(10.0, 0, "pool p")  # a class with a 10 s target is still admitted
 
 
-def test_unmeasured_and_full_is_refused_with_retry_after(fake_clock):
+def test_unmeasured_the_line_is_no_longer_than_the_cap(fake_clock):
     s = EngineSlots(1, fake_clock)
+    s.enqueue(0, 1.0)
+    s.check_arrival(1.0, 0, "x")  # first in line: admitted to wait
     s.enqueue(0, 1.0)
     with pytest.raises(TargetUnreachable) as e:
         s.check_arrival(1.0, 0, "x")
@@ -108,7 +110,7 @@ def test_a_slower_measured_rate_refuses_those_in_line_at_the_next_release(fake_c
 
 
 def test_the_rate_follows_the_measured_holds(fake_clock):
-    s = EngineSlots(4, fake_clock)
+    s = EngineSlots(4, fake_clock, limit=4)
     s.measured_hold(1.0)
     assert s.rate == 4.0
     for _ in range(20):
@@ -172,12 +174,12 @@ def test_lifecycles_wait_for_the_slot_and_are_refused_before_vllm(make_pool, fak
 
         holder = asyncio.create_task(hold())
         await first.wait()
-        # Nothing measured and the one slot busy: no estimate, refused at once.
+        # Nothing measured and the one slot busy: one may wait, the next is refused at once.
+        waiting = pool.lifecycle(req(), Front.GRPC, "generate")
+        waiting.admit()
         with pytest.raises(TargetUnreachable):
             pool.lifecycle(req(), Front.GRPC, "generate").admit()
         slots.measured_hold(0.4)  # as if measured: 2.5 starts a second
-        waiting = pool.lifecycle(req(), Front.GRPC, "generate")
-        waiting.admit()
 
         async def wait_then_generate():
             async with waiting as life:
@@ -201,3 +203,28 @@ def test_lifecycles_wait_for_the_slot_and_are_refused_before_vllm(make_pool, fak
     assert pool.inflight == 0 and slots.busy == 0 and slots.waiting == []
     assert pool.metrics.registry.get_sample_value("infermesh_sidecar_requests_total", {
         "front": "grpc", "api": "generate", "request_class": "interactive", "status": "RESOURCE_EXHAUSTED"}) == 2, "one refused on arrival, one while it waited"
+
+
+def test_the_cap_grows_with_first_tokens_in_time_and_shrinks_once_a_round_when_late(fake_clock):
+    s = EngineSlots(32, fake_clock)
+    assert s.cap == 8, "a cold engine gets a quarter of max_num_seqs"
+    held = [s.enqueue(0, 1.0) for _ in range(9)]
+    assert held[7].started_at == 0.0 and held[8].started_at is None, "24 of max_num_seqs free, but the cap is 8"
+    s.measured_first_token(0.2, 1.0)  # within half the target: one more, and the one in line starts
+    assert s.cap == 9 and held[8].started_at == 0.0
+    for _ in range(6):
+        s.measured_first_token(0.2, 1.0)
+    assert s.cap == 15
+    s.measured_first_token(0.7, 1.0)  # between half and the target: holds
+    assert s.cap == 15
+    fake_clock.t = 5.0
+    s.measured_first_token(1.5, 1.0, started_at=4.0)
+    assert s.cap == 11
+    s.measured_first_token(1.5, 1.0, started_at=4.5)  # started before the cut: the same round
+    assert s.cap == 11
+    fake_clock.t = 6.0
+    s.measured_first_token(1.5, 1.0, started_at=5.5)
+    assert s.cap == 8
+    for _ in range(100):
+        s.measured_first_token(0.1, 1.0)
+    assert s.cap == 32, "never above max_num_seqs"
