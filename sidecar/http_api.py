@@ -23,6 +23,7 @@ and response building answer every request (vllm_serving.py), so a client writte
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from http import HTTPStatus
@@ -34,14 +35,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .errors import BadRequest, DeadlineExceeded, PayloadTooLarge, SidecarError, UnknownModel
+from .errors import BadRequest, DeadlineExceeded, PayloadTooLarge, SidecarError, Unavailable, UnknownModel
+from . import internal_errors
 from .lifecycle import Front, RequestLifecycle
 from .metrics import process_metrics
 from .pool import Pool
-from .requests import TTFT_GIVE_UP_HEADER, GenerationRequest, ttft_give_up_s
+from .requests import TTFT_GIVE_UP_HEADER, GenerationRequest, decimal, json_body, ttft_give_up_s
 from .response_headers import identity_headers
 from . import state_api
-from .vllm_engine_client import ADMITTED
+from .vllm_engine_client import ADMITTED, ATTEMPT, Attempt
 from .vllm_serving import PoolServing
 
 log = logging.getLogger("infermesh.sidecar.http")
@@ -69,7 +71,7 @@ async def _discard_rest(request: Request, seen: int) -> None:
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if (n := decimal(declared)) is not None and n > limit:
         await _discard_rest(request, 0)
         raise PayloadTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit")
     body = bytearray()
@@ -111,27 +113,132 @@ class _VllmErrors:
         return JSONResponse(err.model_dump(), status_code=err.error.code)
 
 
-async def _parse(model: Any, request: Request, body: bytes) -> Any:
-    """The body as vLLM's request model, or vLLM's 400 (as FastAPI's validation gives it there)."""
+PARSE_IN_THREAD_BYTES = 256 << 10
+"""A body this large is parsed and validated in a thread: a 4 MiB body takes tens of ms of CPU,
+which the event loop (the state endpoint, every stream) should not wait for."""
+
+INPUT_ERRORS = (AttributeError, KeyError, IndexError, TypeError, ValueError, OverflowError, UnicodeError,
+                RecursionError, NotImplementedError)
+"""What vLLM's request models and its request preparation (templates, sampling parameters, the
+renderer) raise on a value of the wrong shape that its validation let through; its own server
+answers several of them with a 500 (an AttributeError for `structured_outputs: 5`)."""
+
+
+def _bad_request(message: str, param: str | None = None) -> JSONResponse:
+    """A 400 in vLLM's error form (what its handlers answer for the requests it refuses itself)."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    err = create_error_response(message, param=param)
+    return JSONResponse(err.model_dump(), status_code=HTTPStatus.BAD_REQUEST)
+
+
+def _validate(model: Any, data: Any) -> Any:
+    from pydantic import TypeAdapter
+
+    return model.validate_python(data) if isinstance(model, TypeAdapter) else model.model_validate(data)
+
+
+def _culprit(model: Any, data: Any, limit: int = 64) -> str | None:
+    """The top-level field behind an exception that escaped validation (vLLM's `before`
+    validators read the raw dict and raise past pydantic, naming nothing): the first whose value
+    fails its own field's type alone, else the one whose removal lets the body validate."""
     from pydantic import TypeAdapter, ValidationError
+
+    if not isinstance(data, dict):
+        return None
+    keys = list(data)[:limit]
+    for key in keys:
+        adapter = _field_adapter(model, key) if isinstance(key, str) else None
+        if adapter is None:
+            continue
+        try:
+            adapter.validate_python(data[key])
+        except ValidationError:
+            return key
+        except Exception:  # the field's own validators raised as well: it is the odd one
+            return key
+    if isinstance(model, TypeAdapter):
+        return None
+    for key in keys:
+        try:
+            _validate(model, {k: v for k, v in data.items() if k != key})
+        except Exception:
+            continue
+        return key
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _field_adapter(model: Any, name: str) -> Any:
+    from pydantic import TypeAdapter
+
+    fields = getattr(model, "model_fields", None) or {}
+    field = fields.get(name) or next((f for f in fields.values() if f.alias == name), None)
+    return None if field is None else TypeAdapter(field.annotation)
+
+
+def _parse_body(model: Any, body: bytes) -> Any:
+    """The body as `model`, or the pydantic ValidationError / BadRequest to answer (returned, so a
+    thread can hand it back)."""
+    from pydantic import ValidationError
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        data = json_body(body)
+    except BadRequest as e:
+        return e
+    try:
+        return _validate(model, data)
+    except (ValidationError, VLLMValidationError) as e:
+        return e
+    except INPUT_ERRORS as e:
+        field = _culprit(model, data)
+        where = f"`{field}`: " if field else ""
+        return BadRequest(f"{where}a value of the wrong type or shape ({type(e).__name__}: {e})",
+                          param=f"body.{field}" if field else "body")
+
+
+async def _parse(model: Any, request: Request, body: bytes) -> Any:
+    """The body as vLLM's request model, or a 400: vLLM's own (as FastAPI's validation gives it
+    there) for what vLLM refuses, one naming the field for what vLLM's server would answer with a
+    500 or a plain-text error (deep nesting, lone surrogates, a validator that raised)."""
+    from pydantic import ValidationError
 
     media = request.headers.get("content-type", "").lower().split(";", 1)[0].strip()
     if media != "application/json":
         return await _VllmErrors.validation(["Unsupported Media Type: Only 'application/json' is allowed"])
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        return await _VllmErrors.validation(
-            [{"type": "json_invalid", "loc": ("body", getattr(e, "pos", 0)), "msg": "JSON decode error", "input": {},
-              "ctx": {"error": str(e)}}])
-    try:
-        adapter = model if isinstance(model, TypeAdapter) else None
-        return adapter.validate_python(data) if adapter else model.model_validate(data)
-    except ValidationError as e:
-        errors = [dict(err, loc=("body", *err["loc"])) for err in e.errors(include_url=False)]
+    out = await asyncio.to_thread(_parse_body, model, body) if len(body) > PARSE_IN_THREAD_BYTES else _parse_body(model, body)
+    if isinstance(out, BadRequest):
+        if out.code == "json_invalid":  # as FastAPI's validation answers it in vLLM's server
+            return await _VllmErrors.validation(
+                [{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error", "input": {}, "ctx": {"error": out.message}}])
+        return _bad_request(out.message, out.param)
+    if isinstance(out, ValidationError):
+        errors = [dict(err, loc=("body", *err["loc"])) for err in out.errors(include_url=False)]
         return await _VllmErrors.validation(errors)
-    except Exception as e:  # a validator that raised past pydantic (VLLMValidationError): vLLM's handlers' answer
-        return _VllmErrors.of(e)
+    if isinstance(out, Exception):  # VLLMValidationError from a validator: vLLM's handlers' answer
+        return _VllmErrors.of(out)
+    return out
+
+
+def _exception_answer(e: Exception, attempt: Attempt, pool: Pool, api: str) -> JSONResponse:
+    """The answer to an exception out of vLLM's layer: vLLM's own for what it answers with a 4xx
+    and for the engine's failures; a 400 for an input error raised while the request was prepared
+    (before the engine saw it), which vLLM's server would answer with a 500; anything else is a
+    bug: logged, counted, a JSON 500."""
+    from vllm.exceptions import VLLMError
+
+    if isinstance(e, SidecarError):
+        if e.http_status < 500 or attempt.engine_called:
+            return _error_response(e)
+    else:
+        resp = _VllmErrors.of(e)
+        if resp.status_code < 500 or attempt.engine_called or isinstance(e, VLLMError):
+            return resp
+        if isinstance(e, INPUT_ERRORS):
+            return _bad_request(f"the request could not be prepared ({type(e).__name__}: {e})", getattr(e, "parameter", None))
+    err = internal_errors.report(pool.metrics.registry, Front.HTTP.value, api, e)
+    return _error_response(err)
 
 
 async def _until_disconnect(request: Request, work: Awaitable) -> tuple[bool, Any]:
@@ -186,6 +293,18 @@ def _infermesh_usage(pool: Pool, life: RequestLifecycle) -> dict:
             "served_by": pool.config.served_by}
 
 
+def install_last_resort(app: FastAPI, registry, front: str) -> None:
+    """internal_errors.LastResort around the routes, and the same answer as the app's handler of
+    last resort (Starlette's outermost middleware), for anything raised outside them."""
+
+    async def last_resort(request: Request, exc: Exception) -> JSONResponse:
+        err = internal_errors.report(registry, front, internal_errors.api_of(request.url.path), exc, path=request.url.path)
+        return _error_response(err)
+
+    app.add_middleware(internal_errors.LastResort, registry=registry, front=front)
+    app.add_exception_handler(Exception, last_resort)
+
+
 class Api:
     """One generation endpoint: vLLM's request model, the serving method, how an answer is dumped."""
 
@@ -227,9 +346,12 @@ def build_app(pool: Pool) -> FastAPI:
     cfg = pool.config
     metrics = pool.metrics
     serving = PoolServing()
-    apis: dict[str, Api] = {}
+    # vLLM's request models are imported now, not on the first request (~0.5 s of imports on the
+    # event loop, measured: the state endpoint stalled behind it).
+    apis: dict[str, Api] = _apis()
     app = FastAPI(title="infermesh sidecar", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
+    install_last_resort(app, metrics.registry, Front.HTTP.value)
 
     @app.get("/health")
     async def health() -> Response:
@@ -274,20 +396,19 @@ def build_app(pool: Pool) -> FastAPI:
         except UnknownModel as e:
             return _VllmErrors.not_found(e)
         if engine.engine is None:
-            return _VllmErrors.of(RuntimeError("the model is still loading"))
+            return _error_response(Unavailable(f"the model {engine.config.name} is still loading", retry_after_s=1))
         req.model = engine.config.name
         s = serving.of(engine).tokenization
         try:
             out = await (s.create_tokenize(req, None) if which == "tokenize" else s.create_detokenize(req, None))
         except Exception as e:
-            return _VllmErrors.of(e)
+            return _exception_answer(e, Attempt(), pool, which)
         return JSONResponse(out.model_dump(), status_code=getattr(getattr(out, "error", None), "code", 200))
 
     async def generate(request: Request, api_name: str) -> Response:
-        if not apis:
-            apis.update(_apis())
         api = apis[api_name]
-        request_class = request.headers.get("x-infermesh-class", "")
+        from .mesh_class import mesh_class  # the class only from the mesh's proxy (issue 28)
+        request_class = mesh_class(pool.config, request.headers, request.client)
         pool.note_bound_for(request.headers.get("x-infermesh-pool"))
         try:
             body = await _read_body(request, cfg.server.max_body_bytes)
@@ -327,6 +448,8 @@ def build_app(pool: Pool) -> FastAPI:
         if hasattr(req, "priority"):
             req.priority = 0
         ADMITTED.set(life)
+        attempt = Attempt()
+        ATTEMPT.set(attempt)
         streaming = False
         try:
             try:
@@ -335,7 +458,7 @@ def build_app(pool: Pool) -> FastAPI:
                 await life.close(e)
                 return _error_response(e, headers())
             except Exception as e:  # vLLM's exception handlers' answer (4xx for the client's faults)
-                resp = _VllmErrors.of(e)
+                resp = _exception_answer(e, attempt, pool, api.name)
                 await life.close(status=str(resp.status_code))
                 resp.headers.update(headers())
                 return resp
@@ -356,12 +479,13 @@ def build_app(pool: Pool) -> FastAPI:
                     content["usage"]["infermesh"] = _infermesh_usage(pool, life)
                 return JSONResponse(content, headers=headers())
             streaming = True
-            return await _start_stream(request, api, out, life, headers)
+            return await _start_stream(request, api, out, life, headers, attempt)
         finally:
             if not streaming:
                 await life.close()  # no-op once closed; a vanished client otherwise (499)
 
-    async def _start_stream(request: Request, api: Api, gen: AsyncIterator[str], life: RequestLifecycle, headers: Callable[[], dict]) -> Response:
+    async def _start_stream(request: Request, api: Api, gen: AsyncIterator[str], life: RequestLifecycle, headers: Callable[[], dict],
+                            attempt: Attempt) -> Response:
         # Headers go out with the first content (vLLM's role chunk comes with the first token):
         # an error before it is a real status.
         first_chunk = _first(gen) if life.req.ttft_give_up_s is None else asyncio.wait_for(_first(gen), max(0.0, life.first_token_deadline() - pool.clock()))
@@ -374,7 +498,7 @@ def build_app(pool: Pool) -> FastAPI:
             return _error_response(e, headers())
         except Exception as e:
             await gen.aclose()
-            resp = _VllmErrors.of(e)
+            resp = _exception_answer(e, attempt, pool, api.name)
             await life.close(status=str(resp.status_code))
             resp.headers.update(headers())
             return resp

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from infermesh.settings import LEVEL_DOWN
 
+from .requests import decimal
 from .response_headers import POOL_LEVEL_HEADER, pool_level, pool_level_value
 
 if TYPE_CHECKING:
@@ -57,10 +58,8 @@ class PoolLevelHeader:
 
 def healthy_below(raw: str) -> int | None:
     """The health check's level bound, 1-LEVEL_DOWN, or None when it is not one."""
-    if not raw.isdigit():
-        return None
-    n = int(raw)
-    return n if 1 <= n <= LEVEL_DOWN else None
+    n = decimal(raw, max_digits=2)  # ASCII digits: '²'.isdigit() is true, and int() refuses it
+    return n if n is not None and 1 <= n <= LEVEL_DOWN else None
 
 
 def install(app: FastAPI, pool: "Pool") -> None:

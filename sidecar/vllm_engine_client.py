@@ -30,6 +30,20 @@ ADMITTED: ContextVar["RequestLifecycle"] = ContextVar("infermesh_admitted_reques
 context), so each generation finds its own request, whatever ids vLLM gave it."""
 
 
+class Attempt:
+    """How far vLLM's layer got with one request. An exception before it called the engine came
+    from preparing the request (templates, sampling parameters, the renderer: the client's
+    input); one after it, from the engine or the answer's formatting."""
+
+    def __init__(self):
+        self.engine_called = False
+
+
+ATTEMPT: ContextVar[Attempt] = ContextVar("infermesh_attempt")
+"""The front's Attempt for the request it hands vLLM's layer (a shared object: a task copies the
+context, so the marks made inside it are seen outside)."""
+
+
 class NotAdmitted(SidecarError):
     """A generation vLLM's layer started for a request the front did not admit: a bug."""
 
@@ -52,7 +66,11 @@ class MeshEngineClient:
         if life is None or life.admission is None or life.admission.engine is not self._engine:
             raise NotAdmitted(f"vLLM request {request_id!r} was not admitted to {self._engine.config.name}")
         kwargs.pop("priority", None)  # the class's, set by the lifecycle
-        return life.vllm_outputs(prompt, sampling_params, request_id, **kwargs)
+        outputs = life.vllm_outputs(prompt, sampling_params, request_id, **kwargs)
+        if (attempt := ATTEMPT.get(None)) is not None:
+            attempt.engine_called = True
+        return outputs
 
     async def abort(self, request_id) -> None:
         await self._engine.abort(request_id)
+
