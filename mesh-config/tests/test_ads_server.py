@@ -299,10 +299,12 @@ def test_a_policy_edit_reaches_the_stream_as_a_new_version(tmp_path):
     assert watch.load() and cp.version == V1.version
 
     def default_class_of(r) -> str:
-        """The pool of the route table's last route (no rule matched: the default class's)."""
+        """The pool of the table's last route to a pool (no rule matched: the default class's; a
+        direct response may follow it, for paths the edge does not serve)."""
         rc = route_pb2.RouteConfiguration()
         r.resources[0].Unpack(rc)
-        return rc.virtual_hosts[0].routes[-1].route.cluster.removeprefix("pool_")
+        to_pools = [x for x in rc.virtual_hosts[0].routes if x.WhichOneof("action") == "route"]
+        return to_pools[-1].route.cluster.removeprefix("pool_")
 
     async def scenario(envoy):
         envoy.send(ROUTE_TYPE, names=["infermesh"])
