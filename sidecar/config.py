@@ -9,6 +9,7 @@ Unknown keys are errors, so a typo fails at start with the field's name instead 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from pathlib import Path
 from typing import Annotated
@@ -45,6 +46,20 @@ class ServerConfig(ServingSettings):
     """gRPC front (infermesh.v1.Inference, grpc.health.v1)."""
     drain_grace_s: Annotated[float, Field(ge=0, le=3600)] = 20.0
     """On SIGTERM, how long in-flight streams may take to finish."""
+    trusted_peers: Annotated[list[str], Field(max_length=64)] = ["127.0.0.0/8", "::1/128"]
+    """Networks (CIDR) of the peers whose `x-infermesh-*` headers the fronts take: the mesh's proxy.
+    Envoy of the local mesh and Istio's sidecar proxy both connect over loopback; from any other
+    peer a request's class header is ignored (mesh_class.py)."""
+
+    @field_validator("trusted_peers")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        for i, cidr in enumerate(v):
+            try:
+                ipaddress.ip_network(cidr)
+            except ValueError as e:
+                raise ValueError(f"trusted_peers[{i}] {cidr!r} is not a network (CIDR): {e}") from None
+        return v
 
 
 class AdminConfig(Strict):
@@ -76,6 +91,9 @@ class SidecarConfig(PoolSettings):
     classes: dict[Annotated[str, Field(pattern=NAME)], ClassPolicy] = Field(default_factory=_default_classes)
     default_class: str = "batch"
     """The class of a request that carries none (direct clients, not through the mesh)."""
+    mesh_pools: Annotated[list[Annotated[str, Field(pattern=NAME)]], Field(max_length=1024)] = []
+    """Every pool of the mesh policy (generated from it): the names a spilled-in request's
+    `x-infermesh-pool` is counted under in the metrics; any other name is counted as `other`."""
     admin: AdminConfig = AdminConfig()
 
     @model_validator(mode="after")

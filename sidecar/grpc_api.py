@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from infermesh.settings import LEVEL_DOWN
 
+from . import internal_errors
 from .errors import BadRequest, SidecarError
 from .events import BreakerChanged
 from .lifecycle import Front
+from .mesh_class import mesh_class, mesh_pool
 from .pool import Pool
 from .proto.infermesh.v1 import inference_pb2 as pb
 from .proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
-from .requests import TTFT_GIVE_UP_HEADER, GenerationRequest, TokenDelta, ttft_give_up_s
+from .requests import TTFT_GIVE_UP_HEADER, GenerationRequest, TokenDelta, json_body, ttft_give_up_s
 from .response_headers import identity_headers, load_report_header
 
 log = logging.getLogger("infermesh.sidecar.grpc")
@@ -41,11 +44,19 @@ BELOW_LEVEL_SERVICES = tuple(below_level_service(n) for n in range(1, LEVEL_DOWN
 PROTO_FIELD = {"structured_outputs": "structured_output", "logprobs": "top_logprobs"}
 
 
+_FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+
+
 def _optional(request: pb.GenerateRequest, name: str):
     return getattr(request, name) if request.HasField(name) else None
 
 
 def generation_request(request: pb.GenerateRequest, request_class: str, max_n: int) -> GenerationRequest:
+    """The request as the pool takes it. `request_class` is the mesh's (mesh_class.py); the
+    message's own `request_class` field is ignored: a caller does not choose its class."""
+    for name in _FLOATS:  # NaN passes every range check (each comparison is false)
+        if request.HasField(name) and not math.isfinite(getattr(request, name)):
+            raise BadRequest(f"{name} must be a finite number", param=name)
     if request.top_logprobs and not request.logprobs:
         raise BadRequest("top_logprobs needs logprobs", param="top_logprobs")
     req = GenerationRequest(
@@ -88,10 +99,15 @@ def structured_output(request: pb.GenerateRequest) -> dict:
     so = request.structured_output
     kind = so.WhichOneof("constraint")
     if kind == "json_schema":
-        try:
-            schema = json.loads(so.json_schema)
-        except ValueError as e:
-            raise BadRequest(f"structured_output.json_schema is not JSON: {e}", param="structured_output.json_schema") from e
+        try:  # strict JSON, bounded nesting, no lone surrogates (requests.json_body)
+            schema = json_body(so.json_schema)
+        except BadRequest as e:  # its message names the body: name the field instead
+            field = "structured_output.json_schema"
+            if e.code == "json_invalid":
+                message = f"{field} is not JSON: {e.message.partition('JSON: ')[2]}"
+            else:
+                message = f"{field}: " + e.message.replace("`body", f"`{field}").replace("the body", "the schema")
+            raise BadRequest(message, param=field, code=e.code) from None
         if not isinstance(schema, dict):
             raise BadRequest("structured_output.json_schema must be a JSON object", param="structured_output.json_schema")
         return {"json": schema}
@@ -124,11 +140,47 @@ async def _abort(context: grpc.aio.ServicerContext, e: SidecarError) -> None:
     await context.abort(e.grpc_code, grpc_message(e))
 
 
+class Malformed:
+    """A request message that did not parse (corrupt wire data, a string that is not UTF-8): the
+    method answers INVALID_ARGUMENT (grpc's own answer would be UNKNOWN)."""
+
+    def __init__(self, message: str, error: DecodeError):
+        self.message, self.error = message, error
+
+
+def _lenient(message_type):
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return Malformed(message_type.DESCRIPTOR.full_name, e)
+    return parse
+
+
+async def _refuse_malformed(context: grpc.aio.ServicerContext, request: Malformed) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {request.message}: {request.error}")
+
+
+def add_inference_servicer(servicer: "InferenceServicer", server: grpc.aio.Server) -> None:
+    """pb_grpc.add_InferenceServicer_to_server, with request parsing that never fails the call."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+                                                         response_serializer=pb.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(servicer.ListModels, request_deserializer=_lenient(pb.ListModelsRequest),
+                                                          response_serializer=pb.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(INFERENCE_SERVICE, handlers),))
+    server.add_registered_method_handlers(INFERENCE_SERVICE, handlers)
+
+
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, pool: Pool):
         self.pool = pool
 
     async def ListModels(self, request, context):
+        if isinstance(request, Malformed):
+            await _refuse_malformed(context, request)
+            return None
         primary = self.pool.primary.config.name
         return pb.ListModelsResponse(
             models=[pb.ModelInfo(id=m.name, aliases=list(m.aliases), primary=m.name == primary) for m in self.pool.config.models]
@@ -136,41 +188,56 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         md = dict(context.invocation_metadata() or ())
-        request_class = request.request_class or md.get("x-infermesh-class", "")
-        self.pool.note_bound_for(md.get("x-infermesh-pool"))
-        served_by = self.pool.config.served_by
+        cfg = self.pool.config
+        # The class only as the mesh set it, never the message's `request_class` (mesh_class.py).
+        request_class = mesh_class(cfg, md, context.peer())
+        self.pool.note_bound_for(mesh_pool(cfg, md, context.peer()))
+        served_by = cfg.served_by
+        if isinstance(request, Malformed):
+            self.pool.refuse(Front.GRPC, "generate", request_class, BadRequest("malformed request"))
+            await _refuse_malformed(context, request)
+            return
         try:
-            req = generation_request(request, request_class, self.pool.config.server.max_n)
+            req = generation_request(request, request_class, cfg.server.max_n)
             req.ttft_give_up_s = ttft_give_up_s(md.get(TTFT_GIVE_UP_HEADER))
         except SidecarError as e:
             self.pool.refuse(Front.GRPC, "generate", request_class, e)
             await _abort(context, e)
             return
         try:
-            async with self.pool.lifecycle(req, Front.GRPC, "generate") as life:
-                rid = life.request_id
-                first = True
-                async for ev in life.events():
-                    if first:
-                        first = False
-                        await context.send_initial_metadata(tuple(load_report_header(self.pool).items()))
-                    if isinstance(ev, TokenDelta):
-                        yield pb.GenerateResponse(request_id=rid, chunk=token_chunk(ev))
-                        continue
-                    context.set_trailing_metadata(tuple(identity_headers(self.pool, ev.model, ev.degraded, ev.degraded_reason,
-                                                                         load_report=False).items()))
-                    usage = pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
-                                     total_tokens=ev.prompt_tokens + ev.completion_tokens)
-                    yield pb.GenerateResponse(
-                        request_id=rid,
-                        final=pb.Final(
-                            finish_reason=ev.finish_reason, usage=usage, model=ev.model, degraded=ev.degraded,
-                            degraded_reason=ev.degraded_reason, served_by=served_by,
-                            finish_reasons=[ev.finish_reasons.get(i, ev.finish_reason) for i in range(req.n)],
-                        ),
-                    )
+            async for message in self._generate(req, context, served_by):
+                yield message
         except SidecarError as e:
             await _abort(context, e)
+        except (grpc.aio.AbortError, GeneratorExit):
+            raise
+        except Exception as e:  # a bug: logged, counted, and a visible INTERNAL, never grpc's bare UNKNOWN
+            err = internal_errors.report(self.pool.metrics.registry, Front.GRPC.value, "generate", e)
+            await context.abort(grpc.StatusCode.INTERNAL, err.message)
+
+    async def _generate(self, req: GenerationRequest, context: grpc.aio.ServicerContext, served_by: str):
+        async with self.pool.lifecycle(req, Front.GRPC, "generate") as life:
+            rid = life.request_id
+            first = True
+            async for ev in life.events():
+                if first:
+                    first = False
+                    await context.send_initial_metadata(tuple(load_report_header(self.pool).items()))
+                if isinstance(ev, TokenDelta):
+                    yield pb.GenerateResponse(request_id=rid, chunk=token_chunk(ev))
+                    continue
+                context.set_trailing_metadata(tuple(identity_headers(self.pool, ev.model, ev.degraded, ev.degraded_reason,
+                                                                     load_report=False).items()))
+                usage = pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
+                                 total_tokens=ev.prompt_tokens + ev.completion_tokens)
+                yield pb.GenerateResponse(
+                    request_id=rid,
+                    final=pb.Final(
+                        finish_reason=ev.finish_reason, usage=usage, model=ev.model, degraded=ev.degraded,
+                        degraded_reason=ev.degraded_reason, served_by=served_by,
+                        finish_reasons=[ev.finish_reasons.get(i, ev.finish_reason) for i in range(req.n)],
+                    ),
+                )
 
 
 def pool_state_pb(state: dict) -> pb.PoolState:
@@ -229,7 +296,7 @@ async def start_grpc(pool: Pool) -> tuple[grpc.aio.Server, health.aio.HealthServ
             ("grpc.so_reuseport", 0),
         ]
     )
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(pool), server)
+    add_inference_servicer(InferenceServicer(pool), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -2,18 +2,80 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .events import BreakerChanged, PoolEvent
 
+if TYPE_CHECKING:
+    from .config import SidecarConfig
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+OTHER = "other"
+"""The label value of every class or pool name that is not one of the policy's."""
+
+UNCONFIGURED_CAP = 16
+"""Without the policy's names (SidecarMetrics built from names alone: tools, tests), a label keeps
+its first this-many distinct values and counts the rest as `other`."""
+
+
+class LabelBound:
+    """The values a class or pool label may take: the policy's `names` (and "", no name sent);
+    anything else is `other`. Every distinct label value is a new series: a value a caller chose
+    would let any client grow the sidecar's exposition without bound."""
+
+    def __init__(self, names: Iterable[str] | None = None):
+        self.names: set[str] | None = None if names is None else set(names)
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str | None) -> str:
+        if not value:
+            return ""
+        if self.names is not None:
+            return value if value in self.names else OTHER
+        if value in self._seen:
+            return value
+        if len(self._seen) >= UNCONFIGURED_CAP or len(value) > 64:
+            return OTHER
+        self._seen.add(value)
+        return value
+
+
+class _Bounded:
+    """A labelled metric whose `labels()` passes the bounded labels' values through their bound
+    first: call sites label with whatever name they hold, and only bounded values reach the registry."""
+
+    def __init__(self, metric, bounds: dict[str, Callable[[str | None], str]]):
+        self._metric, self._bounds = metric, bounds
+        self._names = tuple(metric._labelnames)
+
+    def labels(self, *values: Any, **named: Any):
+        if values:
+            values = tuple(self._bounds[n](v) if n in self._bounds else v for n, v in zip(self._names, values))
+        named = {n: self._bounds[n](v) if n in self._bounds else v for n, v in named.items()}
+        return self._metric.labels(*values, **named)
+
+    def __getattr__(self, name: str):
+        return getattr(self._metric, name)
 
 
 class SidecarMetrics:
-    """Every metric of one sidecar, on a registry of its own (a test can build as many as it likes)."""
+    """Every metric of one sidecar, on a registry of its own (a test can build as many as it likes).
 
-    def __init__(self, pool: str, instance: str):
+    Class and pool labels are bounded to `classes` and `pools` (LabelBound): SidecarMetrics.of(config)
+    gives the config's classes and the mesh's pools."""
+
+    @classmethod
+    def of(cls, config: "SidecarConfig") -> "SidecarMetrics":
+        return cls(config.pool, config.instance, classes=config.classes, pools=[config.pool, *config.mesh_pools])
+
+    def __init__(self, pool: str, instance: str, classes: Iterable[str] | None = None, pools: Iterable[str] | None = None):
         self.registry = CollectorRegistry()
+        self.bound_class = LabelBound(classes)
+        self.bound_pool = LabelBound(pools)
         labels = {"pool": pool, "instance_id": instance}
         self.requests = Counter(
             "infermesh_sidecar_requests_total",
@@ -90,12 +152,15 @@ class SidecarMetrics:
         )
         self.info = Gauge("infermesh_sidecar_info", "Static identity of this sidecar.", list(labels), registry=self.registry)
         self.info.labels(**labels).set(1)
+        by_class = {"request_class": self.bound_class}
+        self.requests, self.ttft, self.itl, self.shed = (_Bounded(m, by_class) for m in (self.requests, self.ttft, self.itl, self.shed))
+        self.spilled_in = _Bounded(self.spilled_in, {"bound_for": self.bound_pool})
 
     def count_rejection(self, front: str, api: str, request_class: str, status: str, e) -> None:
         """A request refused before generation: bad input, or admission (shed ones also by reason)."""
         self.requests.labels(front, api, request_class, status).inc()
         if e.code in ("pool_shedding", "pool_critical_only") or (e.http_status == 429):
-            self.shed.labels(request_class or "unknown", e.code or "concurrency_limit").inc()
+            self.shed.labels(request_class, e.code or "concurrency_limit").inc()
 
     def count_transition(self, event: PoolEvent) -> None:
         """An event-bus subscriber: counts breaker state changes (not action steps, not drains)."""

@@ -24,55 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cinfermesh/v1/inference.proto\x12\x0cinfermesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\nChatPrompt\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.infermesh.v1.ChatMessage\"\xa1\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.infermesh.v1.ChatPromptH\x00\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x15\n\rrequest_class\x18\n \x01(\t\x12\t\n\x01n\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x06\x88\x01\x01\x12\x12\n\x05top_k\x18\x10 \x01(\x05H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\x08\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x13 \x03(\r\x12\x10\n\x08logprobs\x18\x14 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x15 \x01(\r\x12\x39\n\x11structured_output\x18\x16 \x01(\x0b\x32\x1e.infermesh.v1.StructuredOutputB\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_top_kB\x08\n\x06_min_p\"t\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x18.infermesh.v1.ChoiceListH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"j\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.infermesh.v1.TokenLogprob\"~\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12.\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x18.infermesh.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xa7\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.infermesh.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x04 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x05 \x01(\t\x12\x11\n\tserved_by\x18\x06 \x01(\t\x12\x16\n\x0e\x66inish_reasons\x18\x07 \x03(\t\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.infermesh.v1.TokenChunkH\x00\x12$\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.infermesh.v1.FinalH\x00\x42\x07\n\x05\x65vent\"\x13\n\x11ListModelsRequest\"9\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x0f\n\x07primary\x18\x03 \x01(\x08\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.infermesh.v1.ModelInfo\"\x11\n\x0fGetStateRequest\"\x13\n\x11WatchStateRequest\"\x95\x01\n\x0c\x42reakerState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06signal\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x63tions\x18\x04 \x03(\t\x12\x12\n\x05value\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\ntrip_above\x18\x06 \x01(\x01\x12\x15\n\rrecover_below\x18\x07 \x01(\x01\x42\x08\n\x06_value\"\xdc\x01\n\tPoolState\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tserved_by\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\r\n\x05level\x18\x05 \x01(\r\x12\x0f\n\x07\x61\x63tions\x18\x06 \x03(\t\x12\x15\n\rserving_model\x18\x07 \x01(\t\x12\x15\n\rprimary_model\x18\x08 \x01(\t\x12\x11\n\tin_flight\x18\t \x01(\r\x12,\n\x08\x62reakers\x18\n \x03(\x0b\x32\x1a.infermesh.v1.BreakerState\"\xa9\x01\n\x11\x42reakerTransition\x12\x0f\n\x07\x61t_unix\x18\x01 \x01(\x01\x12\x0f\n\x07\x62reaker\x18\x02 \x01(\t\x12\x12\n\nfrom_state\x18\x03 \x01(\t\x12\x10\n\x08to_state\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x63tions\x18\x05 \x03(\t\x12\x14\n\x0cpool_actions\x18\x06 \x03(\t\x12\x15\n\rserving_model\x18\x07 \x01(\t\x12\x0e\n\x06reason\x18\x08 \x01(\t\"u\n\tPoolEvent\x12(\n\x05state\x18\x01 \x01(\x0b\x32\x17.infermesh.v1.PoolStateH\x00\x12\x35\n\ntransition\x18\x02 \x01(\x0b\x32\x1f.infermesh.v1.BreakerTransitionH\x00\x42\x07\n\x05\x65vent2\xa9\x01\n\tInference\x12K\n\x08Generate\x12\x1d.infermesh.v1.GenerateRequest\x1a\x1e.infermesh.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.infermesh.v1.ListModelsRequest\x1a .infermesh.v1.ListModelsResponse2\x95\x01\n\x05\x41\x64min\x12\x42\n\x08GetState\x12\x1d.infermesh.v1.GetStateRequest\x1a\x17.infermesh.v1.PoolState\x12H\n\nWatchState\x12\x1f.infermesh.v1.WatchStateRequest\x1a\x17.infermesh.v1.PoolEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cinfermesh/v1/inference.proto\x12\x0cinfermesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\nChatPrompt\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.infermesh.v1.ChatMessage\"\xa5\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.infermesh.v1.ChatPromptH\x00\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x19\n\rrequest_class\x18\n \x01(\tB\x02\x18\x01\x12\t\n\x01n\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x06\x88\x01\x01\x12\x12\n\x05top_k\x18\x10 \x01(\x05H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\x08\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x13 \x03(\r\x12\x10\n\x08logprobs\x18\x14 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x15 \x01(\r\x12\x39\n\x11structured_output\x18\x16 \x01(\x0b\x32\x1e.infermesh.v1.StructuredOutputB\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_top_kB\x08\n\x06_min_p\"t\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x18.infermesh.v1.ChoiceListH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"j\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.infermesh.v1.TokenLogprob\"~\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12.\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x18.infermesh.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xa7\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.infermesh.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x04 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x05 \x01(\t\x12\x11\n\tserved_by\x18\x06 \x01(\t\x12\x16\n\x0e\x66inish_reasons\x18\x07 \x03(\t\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.infermesh.v1.TokenChunkH\x00\x12$\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.infermesh.v1.FinalH\x00\x42\x07\n\x05\x65vent\"\x13\n\x11ListModelsRequest\"9\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x0f\n\x07primary\x18\x03 \x01(\x08\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.infermesh.v1.ModelInfo\"\x11\n\x0fGetStateRequest\"\x13\n\x11WatchStateRequest\"\x95\x01\n\x0c\x42reakerState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06signal\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x63tions\x18\x04 \x03(\t\x12\x12\n\x05value\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\ntrip_above\x18\x06 \x01(\x01\x12\x15\n\rrecover_below\x18\x07 \x01(\x01\x42\x08\n\x06_value\"\xdc\x01\n\tPoolState\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tserved_by\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\r\n\x05level\x18\x05 \x01(\r\x12\x0f\n\x07\x61\x63tions\x18\x06 \x03(\t\x12\x15\n\rserving_model\x18\x07 \x01(\t\x12\x15\n\rprimary_model\x18\x08 \x01(\t\x12\x11\n\tin_flight\x18\t \x01(\r\x12,\n\x08\x62reakers\x18\n \x03(\x0b\x32\x1a.infermesh.v1.BreakerState\"\xa9\x01\n\x11\x42reakerTransition\x12\x0f\n\x07\x61t_unix\x18\x01 \x01(\x01\x12\x0f\n\x07\x62reaker\x18\x02 \x01(\t\x12\x12\n\nfrom_state\x18\x03 \x01(\t\x12\x10\n\x08to_state\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x63tions\x18\x05 \x03(\t\x12\x14\n\x0cpool_actions\x18\x06 \x03(\t\x12\x15\n\rserving_model\x18\x07 \x01(\t\x12\x0e\n\x06reason\x18\x08 \x01(\t\"u\n\tPoolEvent\x12(\n\x05state\x18\x01 \x01(\x0b\x32\x17.infermesh.v1.PoolStateH\x00\x12\x35\n\ntransition\x18\x02 \x01(\x0b\x32\x1f.infermesh.v1.BreakerTransitionH\x00\x42\x07\n\x05\x65vent2\xa9\x01\n\tInference\x12K\n\x08Generate\x12\x1d.infermesh.v1.GenerateRequest\x1a\x1e.infermesh.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.infermesh.v1.ListModelsRequest\x1a .infermesh.v1.ListModelsResponse2\x95\x01\n\x05\x41\x64min\x12\x42\n\x08GetState\x12\x1d.infermesh.v1.GetStateRequest\x1a\x17.infermesh.v1.PoolState\x12H\n\nWatchState\x12\x1f.infermesh.v1.WatchStateRequest\x1a\x17.infermesh.v1.PoolEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'infermesh.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST'].fields_by_name['request_class']._loaded_options = None
+  _globals['_GENERATEREQUEST'].fields_by_name['request_class']._serialized_options = b'\030\001'
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
   _globals['_CHATPROMPT']._serialized_start=92
   _globals['_CHATPROMPT']._serialized_end=149
   _globals['_GENERATEREQUEST']._serialized_start=152
-  _globals['_GENERATEREQUEST']._serialized_end=825
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=827
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=943
-  _globals['_CHOICELIST']._serialized_start=945
-  _globals['_CHOICELIST']._serialized_end=974
-  _globals['_TOKENCHUNK']._serialized_start=976
-  _globals['_TOKENCHUNK']._serialized_end=1082
-  _globals['_TOKENLOGPROB']._serialized_start=1084
-  _globals['_TOKENLOGPROB']._serialized_end=1210
-  _globals['_TOPLOGPROB']._serialized_start=1212
-  _globals['_TOPLOGPROB']._serialized_end=1274
-  _globals['_USAGE']._serialized_start=1276
-  _globals['_USAGE']._serialized_end=1355
-  _globals['_FINAL']._serialized_start=1358
-  _globals['_FINAL']._serialized_end=1525
-  _globals['_GENERATERESPONSE']._serialized_start=1528
-  _globals['_GENERATERESPONSE']._serialized_end=1656
-  _globals['_LISTMODELSREQUEST']._serialized_start=1658
-  _globals['_LISTMODELSREQUEST']._serialized_end=1677
-  _globals['_MODELINFO']._serialized_start=1679
-  _globals['_MODELINFO']._serialized_end=1736
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1738
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1799
-  _globals['_GETSTATEREQUEST']._serialized_start=1801
-  _globals['_GETSTATEREQUEST']._serialized_end=1818
-  _globals['_WATCHSTATEREQUEST']._serialized_start=1820
-  _globals['_WATCHSTATEREQUEST']._serialized_end=1839
-  _globals['_BREAKERSTATE']._serialized_start=1842
-  _globals['_BREAKERSTATE']._serialized_end=1991
-  _globals['_POOLSTATE']._serialized_start=1994
-  _globals['_POOLSTATE']._serialized_end=2214
-  _globals['_BREAKERTRANSITION']._serialized_start=2217
-  _globals['_BREAKERTRANSITION']._serialized_end=2386
-  _globals['_POOLEVENT']._serialized_start=2388
-  _globals['_POOLEVENT']._serialized_end=2505
-  _globals['_INFERENCE']._serialized_start=2508
-  _globals['_INFERENCE']._serialized_end=2677
-  _globals['_ADMIN']._serialized_start=2680
-  _globals['_ADMIN']._serialized_end=2829
+  _globals['_GENERATEREQUEST']._serialized_end=829
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=831
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=947
+  _globals['_CHOICELIST']._serialized_start=949
+  _globals['_CHOICELIST']._serialized_end=978
+  _globals['_TOKENCHUNK']._serialized_start=980
+  _globals['_TOKENCHUNK']._serialized_end=1086
+  _globals['_TOKENLOGPROB']._serialized_start=1088
+  _globals['_TOKENLOGPROB']._serialized_end=1214
+  _globals['_TOPLOGPROB']._serialized_start=1216
+  _globals['_TOPLOGPROB']._serialized_end=1278
+  _globals['_USAGE']._serialized_start=1280
+  _globals['_USAGE']._serialized_end=1359
+  _globals['_FINAL']._serialized_start=1362
+  _globals['_FINAL']._serialized_end=1529
+  _globals['_GENERATERESPONSE']._serialized_start=1532
+  _globals['_GENERATERESPONSE']._serialized_end=1660
+  _globals['_LISTMODELSREQUEST']._serialized_start=1662
+  _globals['_LISTMODELSREQUEST']._serialized_end=1681
+  _globals['_MODELINFO']._serialized_start=1683
+  _globals['_MODELINFO']._serialized_end=1740
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1742
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1803
+  _globals['_GETSTATEREQUEST']._serialized_start=1805
+  _globals['_GETSTATEREQUEST']._serialized_end=1822
+  _globals['_WATCHSTATEREQUEST']._serialized_start=1824
+  _globals['_WATCHSTATEREQUEST']._serialized_end=1843
+  _globals['_BREAKERSTATE']._serialized_start=1846
+  _globals['_BREAKERSTATE']._serialized_end=1995
+  _globals['_POOLSTATE']._serialized_start=1998
+  _globals['_POOLSTATE']._serialized_end=2218
+  _globals['_BREAKERTRANSITION']._serialized_start=2221
+  _globals['_BREAKERTRANSITION']._serialized_end=2390
+  _globals['_POOLEVENT']._serialized_start=2392
+  _globals['_POOLEVENT']._serialized_end=2509
+  _globals['_INFERENCE']._serialized_start=2512
+  _globals['_INFERENCE']._serialized_end=2681
+  _globals['_ADMIN']._serialized_start=2684
+  _globals['_ADMIN']._serialized_end=2833
 # @@protoc_insertion_point(module_scope)
