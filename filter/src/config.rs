@@ -389,20 +389,48 @@ fn err(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError { field: field.into(), message: message.into() }
 }
 
-fn string_match(field: &str, raw: RawStringMatch) -> Result<StringMatch, ConfigError> {
+/// Compiled size allowed to one regex, and to all of a config's together: a few bytes of pattern
+/// (`a{1000}{10}`) compile to most of a MiB, so a config of many would otherwise take memory
+/// without bound. The config's regexes share the total equally, each at most the per-regex limit.
+pub const REGEX_SIZE_LIMIT: usize = 1 << 20;
+pub const REGEX_TOTAL_SIZE_LIMIT: usize = 16 << 20;
+
+fn regex_size_limit(count: usize) -> usize {
+    (REGEX_TOTAL_SIZE_LIMIT / count.max(1)).min(REGEX_SIZE_LIMIT)
+}
+
+fn string_match(field: &str, raw: RawStringMatch, regex_limit: usize) -> Result<StringMatch, ConfigError> {
     match (raw.exact, raw.prefix, raw.regex) {
         (Some(x), None, None) => Ok(StringMatch::Exact(x)),
         (None, Some(x), None) => Ok(StringMatch::Prefix(x)),
         (None, None, Some(x)) => {
-            // Bounded compiled size: a pathological pattern is a config error, not a memory hog.
+            // Bounded compiled size and match-time cache: a pathological pattern is a config
+            // error, not a memory hog.
             regex::RegexBuilder::new(&x)
-                .size_limit(1 << 20)
+                .size_limit(regex_limit)
+                .dfa_size_limit(regex_limit)
                 .build()
                 .map(StringMatch::Regex)
-                .map_err(|e| err(format!("{field}.regex"), format!("invalid regex: {e}")))
+                .map_err(|e| {
+                    let shared = if regex_limit < REGEX_SIZE_LIMIT { " (the config's regexes share 16 MiB of compiled size)" } else { "" };
+                    err(format!("{field}.regex"), format!("invalid regex: {e}{shared}"))
+                })
         }
         _ => Err(err(field, "exactly one of `exact`, `prefix`, `regex` is required")),
     }
+}
+
+/// How many regexes the rules compile (they share REGEX_TOTAL_SIZE_LIMIT).
+fn regex_count(rules: &[RawRule]) -> usize {
+    let is = |m: &Option<RawStringMatch>| m.as_ref().map_or(0, |m| usize::from(m.regex.is_some()));
+    rules
+        .iter()
+        .map(|r| {
+            let m = &r.matcher;
+            let body = m.body.as_ref().map_or(0, |b| is(&b.model) + is(&b.priority) + is(&b.service_tier));
+            is(&m.path) + m.headers.iter().filter(|h| h.regex.is_some()).count() + body
+        })
+        .sum()
 }
 
 fn check_range(field: &str, r: Range) -> Result<Range, ConfigError> {
@@ -441,6 +469,7 @@ impl FilterConfig {
             classes.get(class).cloned().ok_or_else(|| err(field, format!("unknown class `{class}`")))
         };
         let (default_pool, default_objective) = lookup("default_class", &raw.default_class)?;
+        let regex_limit = regex_size_limit(regex_count(&raw.rules));
         let mut rules = Vec::with_capacity(raw.rules.len());
         let mut seen = BTreeSet::new();
         for (i, r) in raw.rules.into_iter().enumerate() {
@@ -457,7 +486,7 @@ impl FilterConfig {
             let path = match m.path {
                 Some(p) => {
                     let f = format!("{at}.match.path");
-                    let sm = string_match(&f, p)?;
+                    let sm = string_match(&f, p, regex_limit)?;
                     if let StringMatch::Exact(p) | StringMatch::Prefix(p) = &sm {
                         if !p.starts_with('/') {
                             return Err(err(f, "a path must start with `/`"));
@@ -478,7 +507,7 @@ impl FilterConfig {
                     (Some(false), false) => HeaderCond::Absent,
                     (Some(true) | None, false) => HeaderCond::Present,
                     (None | Some(true), true) => {
-                        HeaderCond::Value(string_match(&f, RawStringMatch { exact: h.exact, prefix: h.prefix, regex: h.regex })?)
+                        HeaderCond::Value(string_match(&f, RawStringMatch { exact: h.exact, prefix: h.prefix, regex: h.regex }, regex_limit)?)
                     }
                     (Some(false), true) => return Err(err(f, "`present: false` cannot be combined with a value match")),
                 };
@@ -488,7 +517,7 @@ impl FilterConfig {
                 Some(b) => {
                     let f = format!("{at}.match.body");
                     let opt_range = |name: &str, r: Option<Range>| r.map(|r| check_range(&format!("{f}.{name}"), r)).transpose();
-                    let opt_str = |name: &str, s: Option<RawStringMatch>| s.map(|s| string_match(&format!("{f}.{name}"), s)).transpose();
+                    let opt_str = |name: &str, s: Option<RawStringMatch>| s.map(|s| string_match(&format!("{f}.{name}"), s, regex_limit)).transpose();
                     let bm = BodyMatch {
                         stream: b.stream,
                         max_tokens: opt_range("max_tokens", b.max_tokens)?,
@@ -778,6 +807,25 @@ mod tests {
         let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
         let e = serde_json::from_str::<serde_json::Value>(&deep).unwrap_err();
         assert!(e.to_string().contains("recursion limit exceeded"), "{e}");
+    }
+
+    #[test]
+    fn many_regexes_share_a_bounded_compiled_size() {
+        let with = |pattern: &str, n: usize| {
+            let rules: Vec<String> = (0..n)
+                .map(|i| format!(r#"{{"name": "r{i}", "class": "b", "match": {{"path": {{"regex": "{}"}}}}}}"#, pattern.replace("{i}", &i.to_string())))
+                .collect();
+            format!(r#"{{"version": 1, "default_class": "b", "classes": {{"b": {{"pool": "p"}}}}, "rules": [{}]}}"#, rules.join(","))
+        };
+        // One pattern of a few bytes compiles to most of a MiB: alone it is fine, a hundred are not.
+        assert!(FilterConfig::parse(with("a{1000}{10}", 1).as_bytes()).is_ok());
+        let e = parse_err(&with("a{1000}{10}", 100));
+        assert_eq!(e.field, "rules[0].match.path.regex");
+        assert!(e.message.contains("share 16 MiB"), "{e}");
+        // Ordinary patterns stay small however many there are, and still match.
+        let c = FilterConfig::parse(with("^/v1/m{i}/(chat/)?completions$", 2000).as_bytes()).unwrap();
+        assert!(c.rules[1999].path.as_ref().unwrap().matches("/v1/m1999/chat/completions"));
+        assert!(!c.rules[1999].path.as_ref().unwrap().matches("/v1/m199/chat/completions"));
     }
 
     #[test]

@@ -58,6 +58,9 @@ pub trait Host {
     fn request_headers(&self) -> Vec<(&[u8], &[u8])>;
     /// Replace (or, with `None`, remove) a request header.
     fn set_request_header(&mut self, name: &str, value: Option<&str>);
+    /// Remove every value of a request header, named as the host holds it (a client's name
+    /// need not be UTF-8).
+    fn remove_request_header(&mut self, name: &[u8]);
     /// Add a request header the map does not hold yet (cheaper than a replace).
     fn add_request_header(&mut self, name: &str, value: &str);
     fn clear_route_cache(&mut self);
@@ -318,10 +321,10 @@ impl Stream {
             // A partial decision: the decision's headers replace what the peer sent.
             self.replace_headers = true;
         } else {
-            let names: Vec<String> =
-                host.request_headers().iter().filter(|(k, _)| is_internal(k)).map(|(k, _)| String::from_utf8_lossy(k).into_owned()).collect();
+            // By the bytes Envoy holds: a lossy UTF-8 copy of an odd name would remove nothing.
+            let names: Vec<Vec<u8>> = host.request_headers().iter().filter(|(k, _)| is_internal(k)).map(|(k, _)| k.to_vec()).collect();
             for n in &names {
-                host.set_request_header(n, None);
+                host.remove_request_header(n);
             }
             host.count(cfg.metrics.stripped);
         }

@@ -13,6 +13,7 @@
 //! pool elsewhere is Envoy's: the health check of the sidecars' state endpoint and priority failover).
 
 use crate::body::parse_body;
+use crate::header_map;
 use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE};
 use crate::config::{
     reload, DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX,
@@ -21,7 +22,7 @@ use crate::pool_state::{costs_generation, parse_report, PoolRecord, ReadingError
 use crate::stats::TrustedCounters;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MapType, MetricType, Status};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -346,12 +347,12 @@ impl Context for Root {
         if num_headers == 0 {
             return self.metrics.state_error(StateError::ProbeFailed);
         }
-        if self.get_http_call_response_header(":status").as_deref() != Some("200") {
+        if self.get_http_call_response_header_bytes(":status").as_deref() != Some(&b"200"[..]) {
             return self.metrics.state_error(StateError::ProbeStatus);
         }
         // The reading is the pool the header names: a probe cluster with failover endpoints at
         // priority 1 answers from the failover pool once the pool's own sidecars are all gone.
-        match self.get_http_call_response_header(HEADER_POOL_LEVEL) {
+        match self.get_http_call_response_header_bytes(HEADER_POOL_LEVEL).and_then(|v| String::from_utf8(v).ok()) {
             Some(v) => self.states.report(d, &self.metrics, &v, now_ms(), true),
             None => self.metrics.state_error(StateError::BadHeader),
         }
@@ -427,15 +428,50 @@ impl RootContext for Root {
 }
 
 /// A snapshot of the request headers taken once, so the classifier sees a consistent view and
-/// each header is fetched from the host a single time.
+/// each header is fetched from the host a single time. As bytes: a value that is not UTF-8 is
+/// absent to the rules (no rule can match it), as in the native module.
 struct Headers {
-    all: Vec<(String, String)>,
+    all: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 impl Headers {
     fn get(&self, name: &str) -> Option<&str> {
-        self.all.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.all.iter().find(|(k, _)| k == name.as_bytes()).and_then(|(_, v)| std::str::from_utf8(v).ok())
     }
+
+    fn internal(&self) -> impl Iterator<Item = &[u8]> {
+        self.all.iter().map(|(k, _)| k.as_slice()).filter(|k| k.starts_with(INTERNAL_HEADER_PREFIX.as_bytes()))
+    }
+}
+
+// The SDK's header getters unwrap `String::from_utf8` (a panic on one odd byte from a client, and
+// a panic aborts the VM): the request map is read and its odd names removed through these.
+// The ABI's map type and status are u32s (the SDK's enums, non-exhaustive, are not FFI-safe).
+#[allow(clashing_extern_declarations)]
+extern "C" {
+    fn proxy_get_header_map_pairs(map_type: u32, return_map_data: *mut *mut u8, return_map_size: *mut usize) -> u32;
+    fn proxy_remove_header_map_value(map_type: u32, key_data: *const u8, key_size: usize) -> u32;
+}
+
+const REQUEST_HEADERS: u32 = MapType::HttpRequestHeaders as u32;
+const STATUS_OK: u32 = Status::Ok as u32;
+
+fn request_headers() -> Vec<(Vec<u8>, Vec<u8>)> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: on Ok the host hands over a buffer it allocated through this module's
+    // proxy_on_memory_allocate (as the SDK's own get_map takes it).
+    unsafe {
+        match proxy_get_header_map_pairs(REQUEST_HEADERS, &mut data, &mut size) {
+            STATUS_OK if !data.is_null() => header_map::deserialize(&Vec::from_raw_parts(data, size, size)),
+            _ => Vec::new(),
+        }
+    }
+}
+
+fn remove_request_header(name: &[u8]) {
+    // SAFETY: the host only reads `name` for the call.
+    let _ = unsafe { proxy_remove_header_map_value(REQUEST_HEADERS, name.as_ptr(), name.len()) };
 }
 
 impl RequestView for Headers {
@@ -563,10 +599,10 @@ impl Request {
     /// Remove every client-sent `x-infermesh-*` header, from Envoy and from the snapshot the
     /// classifier reads.
     fn strip_internal_headers(&mut self) {
-        for (name, _) in self.headers.all.iter().filter(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX)) {
-            self.set_http_request_header(name, None);
+        for name in self.headers.internal() {
+            remove_request_header(name);
         }
-        self.headers.all.retain(|(k, _)| !k.starts_with(INTERNAL_HEADER_PREFIX));
+        self.headers.all.retain(|(k, _)| !k.starts_with(INTERNAL_HEADER_PREFIX.as_bytes()));
     }
 }
 
@@ -592,7 +628,7 @@ impl HttpContext for Request {
         if cfg!(feature = "bench-noop") {
             return Action::Continue;
         }
-        self.headers = Headers { all: self.get_http_request_headers() };
+        self.headers = Headers { all: request_headers() };
         let config = match &self.config {
             Some(c) => Rc::clone(c),
             None => {
@@ -601,7 +637,7 @@ impl HttpContext for Request {
                 return Action::Continue;
             }
         };
-        let spoofed = self.headers.all.iter().any(|(k, _)| k.starts_with(INTERNAL_HEADER_PREFIX));
+        let spoofed = self.headers.internal().next().is_some();
         if spoofed {
             if self.source_is_trusted(&config) {
                 // An upstream infermesh hop already decided: keep its headers as they are.
@@ -681,9 +717,12 @@ impl HttpContext for Request {
             Some(d) => {
                 if !self.read_level.get() {
                     self.set_http_response_header(HEADER_POOL_LEVEL, None);
-                } else if let Some(value) = self.get_http_response_header(HEADER_POOL_LEVEL) {
+                } else if let Some(value) = self.get_http_response_header_bytes(HEADER_POOL_LEVEL) {
                     self.set_http_response_header(HEADER_POOL_LEVEL, None);
-                    self.states.report(d, &self.metrics, &value, now_ms(), false);
+                    match String::from_utf8(value) {
+                        Ok(v) => self.states.report(d, &self.metrics, &v, now_ms(), false),
+                        Err(_) => self.metrics.state_error(StateError::BadHeader),
+                    }
                 }
             }
             None => self.set_http_response_header(HEADER_POOL_LEVEL, None),

@@ -8,6 +8,7 @@
 pub mod body;
 pub mod classify;
 pub mod config;
+pub mod header_map;
 pub mod pool_state;
 pub mod stats;
 mod json_scan;

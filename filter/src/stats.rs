@@ -17,6 +17,10 @@ pub fn trusted_metric_name(class: &str, pool: &str) -> String {
     format!("infermesh.requests_total.class.{class}.pool.{pool}.rule.{TRUSTED_RULE}")
 }
 
+/// Past this many (class, pool) label pairs a config defines only each class with its own pool
+/// (and `other`/`other`): the cross product of a config of thousands of names would be millions.
+pub const MAX_LABEL_PAIRS: usize = 1024;
+
 /// The trusted-decision counters of one config, by (class label, pool label).
 #[derive(Debug, Default)]
 pub struct TrustedCounters<T> {
@@ -24,8 +28,8 @@ pub struct TrustedCounters<T> {
     /// unknown ones then share its counter).
     classes: Vec<String>,
     pools: Vec<String>,
-    /// `classes.len() * pools.len()` ids, row-major by class.
-    ids: Vec<T>,
+    /// The pairs with a counter, sorted; `other`/`other` is always one.
+    pairs: Vec<(String, String, T)>,
 }
 
 fn with_other<'a>(names: impl Iterator<Item = &'a str>) -> Vec<String> {
@@ -35,12 +39,12 @@ fn with_other<'a>(names: impl Iterator<Item = &'a str>) -> Vec<String> {
     v
 }
 
-/// `name` if it is in the sorted `names`, else `other` (which always is).
-fn label<'a>(names: &'a [String], name: &str) -> (usize, &'a str) {
-    let i = names.binary_search_by(|n| n.as_str().cmp(name)).or_else(|_| names.binary_search_by(|n| n.as_str().cmp(OTHER)));
-    // `other` is always in the list; the fallback index only keeps this panic-free.
-    let i = i.unwrap_or(0);
-    (i, names.get(i).map_or(OTHER, String::as_str))
+/// `name` if it is in the sorted `names`, else `other`.
+fn label<'a>(names: &'a [String], name: &'a str) -> &'a str {
+    match names.binary_search_by(|n| n.as_str().cmp(name)) {
+        Ok(_) => name,
+        Err(_) => OTHER,
+    }
 }
 
 impl<T: Copy> TrustedCounters<T> {
@@ -48,40 +52,50 @@ impl<T: Copy> TrustedCounters<T> {
     /// trusts no source: nothing is ever kept then).
     pub fn define(config: &FilterConfig, define: &mut dyn FnMut(&str) -> T) -> TrustedCounters<T> {
         if config.trusted.is_empty() {
-            return TrustedCounters { classes: Vec::new(), pools: Vec::new(), ids: Vec::new() };
+            return TrustedCounters { classes: Vec::new(), pools: Vec::new(), pairs: Vec::new() };
         }
         let classes = with_other(config.classes.keys().map(String::as_str));
         let pools = with_other(config.pool_names().into_iter());
-        let mut ids = Vec::with_capacity(classes.len() * pools.len());
-        for c in &classes {
-            for p in &pools {
-                ids.push(define(&trusted_metric_name(c, p)));
-            }
-        }
-        TrustedCounters { classes, pools, ids }
+        let mut names: Vec<(String, String)> = if classes.len().saturating_mul(pools.len()) <= MAX_LABEL_PAIRS {
+            classes.iter().flat_map(|c| pools.iter().map(move |p| (c.clone(), p.clone()))).collect()
+        } else {
+            config.classes.iter().map(|(c, p)| (c.clone(), p.clone())).chain(std::iter::once((OTHER.to_string(), OTHER.to_string()))).collect()
+        };
+        names.sort_unstable();
+        names.dedup();
+        let pairs = names.into_iter().map(|(c, p)| {
+            let id = define(&trusted_metric_name(&c, &p));
+            (c, p, id)
+        });
+        TrustedCounters { classes, pools, pairs: pairs.collect() }
     }
 
-    /// The labels `class` and `pool` are counted under.
-    pub fn labels<'a>(&'a self, class: &str, pool: &str) -> (&'a str, &'a str) {
-        (label(&self.classes, class).1, label(&self.pools, pool).1)
+    fn find(&self, class: &str, pool: &str) -> Option<usize> {
+        self.pairs.binary_search_by(|(c, p, _)| (c.as_str(), p.as_str()).cmp(&(class, pool))).ok()
+    }
+
+    /// The labels a kept decision naming `class` and `pool` is counted under.
+    pub fn labels<'a>(&'a self, class: &'a str, pool: &'a str) -> (&'a str, &'a str) {
+        let (c, p) = (label(&self.classes, class), label(&self.pools, pool));
+        match self.find(c, p) {
+            Some(_) => (c, p),
+            None => (OTHER, OTHER),
+        }
     }
 
     /// The counter of a kept decision naming `class` and `pool` (`None`: none defined).
     pub fn get(&self, class: &str, pool: &str) -> Option<T> {
-        if self.ids.is_empty() {
-            return None;
-        }
-        let (c, p) = (label(&self.classes, class).0, label(&self.pools, pool).0);
-        self.ids.get(c * self.pools.len() + p).copied()
+        let (c, p) = self.labels(class, pool);
+        self.find(c, p).and_then(|i| self.pairs.get(i)).map(|(_, _, id)| *id)
     }
 
     /// How many counters were defined.
     pub fn len(&self) -> usize {
-        self.ids.len()
+        self.pairs.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
+        self.pairs.is_empty()
     }
 }
 
@@ -158,6 +172,22 @@ mod tests {
         let (t, names) = defined(&cfg);
         assert_eq!(names, [trusted_metric_name("other", "other")]);
         assert_eq!(t.get("nope", "nope"), Some(0));
+    }
+
+    #[test]
+    fn a_config_of_many_names_defines_each_class_with_its_pool_only() {
+        let classes: Vec<String> = (0..5000).map(|i| format!(r#""c{i}": {{"pool": "p{i}"}}"#)).collect();
+        let cfg = FilterConfig::parse(
+            format!(r#"{{"version": 1, "default_class": "c0", "classes": {{{}}}, "trusted_sources": {{"cidrs": ["::1"]}}}}"#, classes.join(",")).as_bytes(),
+        )
+        .unwrap();
+        let (t, names) = defined(&cfg);
+        assert_eq!(names.len(), 5001, "linear in the config, not 5001 x 5001");
+        let name = |c: &str, p: &str| names[t.get(c, p).unwrap()].clone();
+        assert_eq!(name("c7", "p7"), trusted_metric_name("c7", "p7"));
+        assert_eq!(name("c7", "p8"), trusted_metric_name("other", "other"), "a pair the config does not define");
+        assert_eq!(name("nope", "p8"), trusted_metric_name("other", "other"));
+        assert_eq!(t.labels("c7", "p8"), ("other", "other"));
     }
 
     #[test]

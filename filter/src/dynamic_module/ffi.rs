@@ -100,6 +100,10 @@ impl Host for Envoy {
         unsafe { envoy_dynamic_module_callback_http_set_header(self.ptr, REQUEST_HEADER, ModuleBuffer::of(name.as_bytes()), v) };
     }
 
+    fn remove_request_header(&mut self, name: &[u8]) {
+        unsafe { envoy_dynamic_module_callback_http_set_header(self.ptr, REQUEST_HEADER, ModuleBuffer::of(name), ModuleBuffer::NULL) };
+    }
+
     fn clear_route_cache(&mut self) {
         unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.ptr) }
     }

@@ -45,6 +45,9 @@ impl Host for FakeHost {
             self.request.push((name.to_string(), v.to_string()));
         }
     }
+    fn remove_request_header(&mut self, name: &[u8]) {
+        self.request.retain(|(k, _)| k.as_bytes() != name);
+    }
     fn clear_route_cache(&mut self) {
         self.route_cache_clears += 1;
     }
@@ -425,4 +428,175 @@ fn without_degraded_routing_the_level_header_is_only_removed() {
     let h = report(&cfg, "interactive;3;r1");
     assert_eq!(h.response.len(), 1);
     assert!(cfg.pools.newest_ms("interactive") == 0);
+}
+
+// ---- the request path on any input, natively (the Wasm glue runs the same core) ----------------
+
+/// A host whose headers are bytes, as Envoy's are: names and values need not be UTF-8.
+#[derive(Default)]
+struct ByteHost {
+    request: Vec<(Vec<u8>, Vec<u8>)>,
+    body: Vec<u8>,
+    cut: usize,
+    source: Option<String>,
+    principals: Vec<String>,
+    response: Vec<(String, String)>,
+    sent: Option<u32>,
+    counted: Vec<usize>,
+}
+
+impl Host for ByteHost {
+    fn request_headers(&self) -> Vec<(&[u8], &[u8])> {
+        self.request.iter().map(|(k, v)| (k.as_slice(), v.as_slice())).collect()
+    }
+    fn add_request_header(&mut self, name: &str, value: &str) {
+        assert!(!self.request.iter().any(|(k, _)| k == name.as_bytes()), "added over an existing {name}");
+        self.request.push((name.as_bytes().to_vec(), value.as_bytes().to_vec()));
+    }
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) {
+        self.request.retain(|(k, _)| k != name.as_bytes());
+        if let Some(v) = value {
+            self.request.push((name.as_bytes().to_vec(), v.as_bytes().to_vec()));
+        }
+    }
+    fn remove_request_header(&mut self, name: &[u8]) {
+        self.request.retain(|(k, _)| k != name);
+    }
+    fn clear_route_cache(&mut self) {}
+    fn request_body(&self) -> Vec<&[u8]> {
+        let (a, b) = self.body.split_at(self.cut.min(self.body.len()));
+        vec![a, b]
+    }
+    fn request_body_size(&self) -> usize {
+        self.body.len()
+    }
+    fn source_address(&self) -> Option<String> {
+        self.source.clone()
+    }
+    fn peer_principals(&self) -> Vec<String> {
+        self.principals.clone()
+    }
+    fn send_response(&mut self, status: u32, _headers: &[(&str, &str)], _body: &[u8]) {
+        assert!(self.sent.is_none(), "answered twice");
+        self.sent = Some(status);
+    }
+    fn response_header(&self, name: &str) -> Option<String> {
+        self.response.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+    }
+    fn remove_response_header(&mut self, name: &str) {
+        self.response.retain(|(k, _)| k != name);
+    }
+    fn count(&mut self, id: CounterId) {
+        if let Some(id) = id {
+            self.counted.push(id);
+        }
+    }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
+        &xs[self.below(xs.len() as u64) as usize]
+    }
+    fn bytes(&mut self, alphabet: &[&[u8]], max: u64) -> Vec<u8> {
+        (0..self.below(max + 1)).flat_map(|_| self.pick(alphabet).to_vec()).collect()
+    }
+}
+
+fn fuzz_budget() -> std::time::Duration {
+    let secs = std::env::var("INFERMESH_FUZZ_SECS").ok().and_then(|s| s.parse::<f64>().ok()).unwrap_or(3.0);
+    std::time::Duration::from_secs_f64(secs)
+}
+
+fn fuzz_seed() -> u64 {
+    std::env::var("INFERMESH_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x1f5e_ed28_c0f1_9001)
+}
+
+#[test]
+fn the_request_path_never_panics_and_never_lets_an_outside_header_through() {
+    let (cfg, names) = module();
+    let s = fuzz_seed();
+    let mut r = Rng(s ^ 0xbeef);
+    let names_pool: &[&[u8]] = &[
+        b"x-infermesh-class", b"x-infermesh-pool", b"x-infermesh-rule", b"x-infermesh-pool-level", b"x-infermesh-ttft-give-up-ms",
+        b"x-infermesh-", b"x-infermesh-x\xff", b"x-priority", b"content-type", b"content-length", b"x-gateway-inference-objective",
+        b"endpoint-load-metrics", b"", b"\xff\xfe", b":authority", b"x-infermesh-class-hint",
+    ];
+    let values: &[&[u8]] = &[
+        b"interactive", b"batch", b"high", b"application/json", b"application/grpc", b"0", b"99999999999999999999", b"-1", b" 12 ",
+        b"\xff", b"\xed\xa0\x80", b"other", b"", b";", b"text/plain; charset=utf-8", b"application/vnd+json", b"\x00",
+    ];
+    let sources: &[Option<&str>] = &[None, Some("10.8.0.1:80"), Some("10.9.0.1:80"), Some("[::1]:9"), Some("garbage"), Some(""), Some("10.8.1.1")];
+    let bodies: &[&[u8]] = &[
+        b"", br#"{"stream":false,"max_tokens":2048}"#, br#"{"max_tokens":1e999}"#, b"{\"model\":\"\xff\"}", br#"{"messages":[[[[[[[[[[[]]]]]]]]]]]}"#,
+        br#"{"a":"\ud800"}"#, b"[", b"not json", br#"{"stream":false,"max_tokens":2048,"n":1,"messages":[{"role":"user","content":"hi"}]}"#,
+    ];
+    let end = std::time::Instant::now() + fuzz_budget();
+    let mut n = 0u64;
+    while std::time::Instant::now() < end {
+        let mut h = ByteHost {
+            source: r.pick(sources).map(str::to_string),
+            principals: if r.below(4) == 0 { vec![String::from_utf8_lossy(&r.bytes(values, 2)).into_owned()] } else { vec![] },
+            ..Default::default()
+        };
+        h.request.push((b":method".to_vec(), r.pick(&[&b"POST"[..], b"GET", b"post", b"", b"\xff"]).to_vec()));
+        h.request.push((b":path".to_vec(), r.pick(&[&b"/v1/chat/completions"[..], b"/v1/completions", b"/", b"", b"/v1/chat/completions?\xff"]).to_vec()));
+        for _ in 0..r.below(6) {
+            h.request.push((r.pick(names_pool).to_vec(), r.bytes(values, 3)));
+        }
+        h.body = r.pick(bodies).to_vec();
+        if r.below(4) == 0 {
+            h.body.extend(std::iter::repeat(b' ').take(r.below(6000) as usize));
+        }
+        h.cut = r.below(h.body.len() as u64 + 1) as usize;
+        let trusted = source_is_trusted(&cfg.filter, &h);
+        let mut st = Stream::default();
+        let eos = h.body.is_empty() || r.below(8) == 0;
+        let mut next = st.on_request_headers(&cfg, &mut h, eos);
+        if next == Next::Wait {
+            next = st.on_request_body(&cfg, &mut h, r.below(3) != 0);
+            if next == Next::Wait {
+                next = if r.below(2) == 0 { st.on_request_trailers(&cfg, &mut h) } else { st.on_request_body(&cfg, &mut h, true) };
+            }
+        }
+        assert_ne!(next, Next::Wait, "seed {s}: still waiting after the whole body");
+        assert_eq!(next == Next::Answered, h.sent.is_some(), "seed {s}");
+        if let Some(status) = h.sent {
+            assert_eq!(status, 429, "seed {s}");
+        }
+        if !trusted {
+            for (k, v) in &h.request {
+                if k.starts_with(b"x-infermesh-") {
+                    let k = std::str::from_utf8(k).expect("the filter writes UTF-8 names");
+                    let v = std::str::from_utf8(v).expect("the filter writes UTF-8 values");
+                    assert!([HEADER_CLASS, HEADER_POOL, HEADER_RULE].contains(&k), "seed {s}: {k} from outside passed through");
+                    assert!(v == "batch" || v == "interactive" || ["chat-bulk", "hdr-priority", "chat", "default"].contains(&v), "seed {s}: {k}: {v}");
+                }
+            }
+            if next == Next::Continue {
+                let one = |name: &str| h.request.iter().filter(|(k, _)| k == name.as_bytes()).count();
+                assert_eq!((one(HEADER_CLASS), one(HEADER_POOL), one(HEADER_RULE)), (1, 1, 1), "seed {s}: one decision");
+            }
+        }
+        assert!(h.counted.iter().all(|id| *id < names.len()), "seed {s}: a counter nobody defined");
+        // The response side: the level header never reaches the client, whatever it says.
+        let mut resp = ByteHost::default();
+        let level = String::from_utf8_lossy(&r.bytes(&[b"interactive", b"batch", b";", b"3", b"4", b"r1", b"\xff", b" ", b"x"], 6)).into_owned();
+        resp.response.push((HEADER_POOL_LEVEL.to_string(), level));
+        st.on_response_headers(&cfg, &mut resp);
+        assert!(resp.response.is_empty(), "seed {s}");
+        n += 1;
+    }
+    eprintln!("request path fuzz: seed {s}, {n} requests");
+    assert!(n > 1000, "too few iterations to mean anything: {n}");
 }
