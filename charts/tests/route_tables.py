@@ -1,7 +1,7 @@
 """Which route a request takes, read from a route table itself, for the tests that hold the
 chart's VirtualService to the plain-Envoy route table: Envoy's RouteMatch (envoy_resources) and
-Istio's HTTPMatchRequest as istiod translates it into one (uri exact: the path without its query;
-uri prefix: the :path as sent; a header StringMatch `{}`: presence; withoutHeaders: none of them;
+Istio's HTTPMatchRequest as istiod translates it into one (uri exact and regex: the path without
+its query; uri prefix: the :path as sent; a header StringMatch `{}`: presence; withoutHeaders: none of them;
 regexes matched in full, as RE2 does). The first route whose conditions all hold wins.
 
 What each table decides for a request is an `Outcome`: whether the Wasm filter runs on the route,
@@ -41,9 +41,16 @@ class Outcome:
     pool: str
     grpc: bool
     sets: tuple[tuple[str, str], ...] = field(default=())
+    not_found: bool = False
+    """The edge's 404: the path is not the serving API's (no pool, whatever else the route says)."""
 
     def decision(self) -> tuple:
-        return (self.filter_runs, self.pool, self.grpc, self.sets)
+        return ("not found",) if self.not_found else (self.filter_runs, self.pool, self.grpc, self.sets)
+
+
+def _path(path: str) -> str:
+    """The path without its query, as Envoy's `path` and `safe_regex` matches compare it."""
+    return path.split("?", 1)[0]
 
 
 # -- Envoy ---------------------------------------------------------------------------------------
@@ -60,7 +67,9 @@ def _envoy_string(sm: dict, value: str | None) -> bool:
 
 
 def _envoy_matches(match: dict, req: Request) -> bool:
-    if "path" in match and req.path.split("?", 1)[0] != match["path"]:
+    if "path" in match and _path(req.path) != match["path"]:
+        return False
+    if "safe_regex" in match and re.fullmatch(match["safe_regex"]["regex"], _path(req.path)) is None:
         return False
     if "prefix" in match and not req.path.startswith(match["prefix"]):
         return False
@@ -77,6 +86,9 @@ def _envoy_matches(match: dict, req: Request) -> bool:
 def envoy_outcome(routes: list[dict], wasm_filter: str, req: Request) -> Outcome | None:
     for r in routes:
         if _envoy_matches(r["match"], req):
+            if "direct_response" in r:
+                assert r["direct_response"]["status"] == 404, r
+                return Outcome(r["name"], wasm_filter not in r.get("typed_per_filter_config", {}), "", False, not_found=True)
             cluster = r["route"]["cluster"]
             sets = tuple(sorted((h["header"]["key"], h["header"]["value"]) for h in r.get("request_headers_to_add", [])))
             return Outcome(r["name"], wasm_filter not in r.get("typed_per_filter_config", {}),
@@ -93,10 +105,10 @@ def _istio_string(sm: dict, value: str | None, path: bool = False) -> bool:
     if not sm:
         return True  # presence
     if "exact" in sm:
-        return (value.split("?", 1)[0] if path else value) == sm["exact"]
+        return (_path(value) if path else value) == sm["exact"]
     if "prefix" in sm:
         return value.startswith(sm["prefix"])
-    return re.fullmatch(sm["regex"], value) is not None
+    return re.fullmatch(sm["regex"], _path(value) if path else value) is not None
 
 
 def _istio_matches(match: dict, req: Request) -> bool:
@@ -113,6 +125,9 @@ def istio_outcome(http: list[dict], filter_off: set[str], pool_of_host: dict[str
     """`filter_off`: the routes an EnvoyFilter HTTP_ROUTE patch turns the filter off on."""
     for r in http:
         if "match" not in r or any(_istio_matches(m, req) for m in r["match"]):
+            if "directResponse" in r:
+                assert r["directResponse"]["status"] == 404, r
+                return Outcome(r["name"], r["name"] not in filter_off, "", False, not_found=True)
             dest = r["route"][0]["destination"]
             request = r.get("headers", {}).get("request", {})
             sets = tuple(sorted({**request.get("set", {}), **request.get("add", {})}.items()))

@@ -30,7 +30,7 @@ from route_tables import Outcome, Request, envoy_outcome, filter_head_decision, 
 
 from infermesh.meshconfig import chart_values, istio
 from infermesh.meshconfig.envoy_bootstrap import bootstrap
-from infermesh.meshconfig.envoy_resources import STRIP_CLIENT_HEADERS, WASM_FILTER, Routing
+from infermesh.meshconfig.envoy_resources import EDGE_PATHS, STRIP_CLIENT_HEADERS, WASM_FILTER, Routing
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.policy import LOCAL_POLICY, Policy, load_policy, parse_policy
 from infermesh.sidecar.grpc_api import INFERENCE_SERVICE
@@ -153,8 +153,11 @@ def test_the_chart_renders_what_the_istio_generator_produces(scenario):
 def _assert_chart_objects_equal_istio_py(objects: list[dict], expected: list[dict]) -> None:
     expected = [_comparable(o) for o in expected]
     kinds = {o["kind"] for o in expected}
-    front_and_pools = {o["metadata"]["name"] for o in expected if o["kind"] == "Service"}
-    got = [_comparable(o) for o in objects if o["kind"] in kinds and (o["kind"] != "Service" or o["metadata"]["name"] in front_and_pools)]
+    # Of the kinds the chart has more of (Services, the pools' AuthorizationPolicy), istio.py's names.
+    partial = {"Service", "AuthorizationPolicy"}
+    named = {(o["kind"], o["metadata"]["name"]) for o in expected if o["kind"] in partial}
+    got = [_comparable(o) for o in objects
+           if o["kind"] in kinds and (o["kind"] not in partial or (o["kind"], o["metadata"]["name"]) in named)]
     key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
     assert sorted(got, key=key) == sorted(expected, key=key)
 
@@ -253,7 +256,7 @@ def test_secure_by_default(helm):
     rendered = helm.template(SCENARIOS["default"])
     pa = rendered.one("PeerAuthentication")
     assert pa["spec"]["mtls"] == {"mode": "STRICT"}
-    az = rendered.one("AuthorizationPolicy")
+    az = rendered.one("AuthorizationPolicy", RELEASE)
     assert az["spec"]["action"] == "ALLOW"
     (rule,) = az["spec"]["rules"]
     assert rule["from"] == [{"source": {"principals": ["cluster.local/ns/istio-ingress/sa/istio-ingress"]}}]
@@ -267,8 +270,36 @@ def test_secure_by_default(helm):
     for s in rendered.of("Service"):
         assert [p["name"] for p in s["spec"]["ports"]] == ["http", "grpc"]
     # No principals at all: the rule goes, and with namespaces only those remain allowed.
+    # (Their proxies run the filter there, filter.attachTo: sidecar: they health-check and probe.)
     ns_only = helm.template(SCENARIOS["header-only"]).one("AuthorizationPolicy")
     assert ns_only["spec"]["rules"] == [{"from": [{"source": {"namespaces": ["apps"]}}], "to": [{"operation": {"ports": ["8000", "50051"]}}]}]
+
+
+def test_only_the_serving_api_at_the_edge(helm):
+    """The VirtualService routes the serving API's paths only and ends with a JSON 404; the
+    gateway denies every other path of its hosts; peers of allowedNamespaces reach only those
+    paths of the pools, while the gateway's principal (health checks, the filter's probe) reaches
+    every path."""
+    from infermesh.meshconfig.envoy_resources import NOT_FOUND_ROUTE
+
+    rendered = helm.template(SCENARIOS["production"])
+    for vs in rendered.of("VirtualService"):
+        *routes, last = vs["spec"]["http"]
+        assert last["name"] == NOT_FOUND_ROUTE and "match" not in last and last["directResponse"]["status"] == 404
+        assert json.loads(last["directResponse"]["body"]["string"])["error"]["code"] == "not_found"
+        for r in routes:  # every route names its paths: none is a catch-all to a pool
+            assert r["match"] and all("uri" in m and "prefix" not in m["uri"] for m in r["match"]), r
+    edge = rendered.one("AuthorizationPolicy", f"{RELEASE}-edge")
+    assert edge["metadata"]["namespace"] == "istio-ingress" and edge["spec"]["action"] == "DENY"
+    assert edge["spec"]["selector"] == {"matchLabels": {"istio": "ingress"}}
+    values = merged_values(SCENARIOS["production"])
+    assert edge["spec"]["rules"] == [{"to": [{"operation": {"hosts": values["ingress"]["hosts"], "notPaths": list(EDGE_PATHS)}}]}]
+    pools = rendered.one("AuthorizationPolicy", RELEASE)["spec"]["rules"]
+    by_source = {next(iter(r["from"][0]["source"])): r["to"][0]["operation"] for r in pools}
+    assert "paths" not in by_source["principals"], "the gateway's health checks and probes reach /health and the state"
+    assert by_source["namespaces"]["paths"] == list(EDGE_PATHS)
+    # No gateway (ingress off) or the filter in client sidecars: no edge policy at the gateway.
+    assert not [o for o in helm.template(SCENARIOS["header-only"]).of("AuthorizationPolicy") if o["metadata"]["name"].endswith("-edge")]
 
 
 @pytest.mark.parametrize("name", ["production", "header-only"])
@@ -480,7 +511,10 @@ def _request_matrix() -> list[Request]:
     policies' rules read, gRPC, and spoofed routing headers."""
     methods = ["GET", "POST", "post", "HEAD", "PUT"]
     paths = ["/v1/chat/completions", "/v1/chat/completions?api-version=2", "/v1/completions", "/health", "/health?probe=1",
-             "/healthz", "/infermesh.v1.Inference/Generate", "/v1/", "/"]
+             "/healthz", "/infermesh.v1.Inference/Generate", "/v1/", "/",
+             # the edge: the rest of the serving API, and what it must not reach
+             "/v1/models", "/tokenize", "/infermesh.v1.Inference/ListModels", "/metrics", "/infermesh/state?healthy_below=1",
+             "/admin/state", "/grpc.health.v1.Health/Check", "/v1/chat/completionsX", "/v1/chat/completions/../../metrics"]
     headers = [(), (("x-priority", "high"),), (("x-priority", "low"),), (("x-tenant", "batch-7"),),
                (("x-tenant", "batch-7"), ("x-debug", "1")), (("x-trace-id", "abc"),), (("content-type", "application/grpc"),),
                (("content-type", "application/grpc+proto"), ("x-priority", "high")),
@@ -537,10 +571,16 @@ def test_the_charts_routes_decide_every_request_as_the_plain_envoy_routes(helm, 
         assert plain is not None and mesh is not None and mesh.decision() == plain.decision(), (req, plain, mesh)
         return plain
 
-    native = 0
+    native = served = 0
     degradable = Routing.from_policy(policy).degradable
     for req in _request_matrix():
         outcome = both(req)
+        # Only the serving API reaches a pool, whatever the headers say; the rest is the edge's 404.
+        assert outcome.not_found == (req.path.split("?")[0] not in EDGE_PATHS), (req, outcome)
+        if outcome.not_found:
+            assert both(req.stripped().with_header("x-infermesh-pool", policy.default_pool), arriving=False).not_found
+            continue
+        served += 1
         if strips:  # native rules: a route decides exactly where the filter would on the headers alone
             head = filter_head_decision(policy, req.stripped())
             # ... unless when_degraded may shed the class: the filter applies it.
@@ -557,12 +597,12 @@ def test_the_charts_routes_decide_every_request_as_the_plain_envoy_routes(helm, 
         else:
             native += 1
     if name == "native-header-only":
-        assert native == len(_request_matrix())  # every rule decided by a route: the filter never runs
+        assert native == served  # every rule decided by a route: the filter never runs
     elif name == "default":
         # when_degraded sheds batch (the filter decides its requests) and spills interactive, which
         # Envoy does (the health check and aggregate cluster of the pools' EnvoyFilter): the
         # interactive rules the routes can say are decided by them.
-        assert 0 < native < len(_request_matrix())
+        assert 0 < native < served
     else:
         assert native == 0  # trusted sources: only the filter may decide
 
@@ -608,4 +648,5 @@ def test_pools_envoy_filter_says_what_istio_cannot(helm):
             assert {p["patch"]["value"]["circuit_breakers"]["thresholds"][0]["max_connections"]
                     for p in patches if p["patch"]["operation"] == "MERGE_AND_REPLACE_LIST"} == {max_connections}
         routes = [p["match"]["routeConfiguration"]["vhost"]["route"]["name"] for p in patches if p["applyTo"] == "HTTP_ROUTE"]
-        assert routes == [r["name"] for r in rendered.one("VirtualService", RELEASE)["spec"]["http"]]
+        # (Not the edge's 404: it goes to no pool.)
+        assert routes == [r["name"] for r in rendered.one("VirtualService", RELEASE)["spec"]["http"] if "directResponse" not in r]

@@ -1,7 +1,8 @@
 """The Envoy resources of the mesh, as parts: the listener and its HTTP connection manager, the
 filter (Wasm, or the same filter as a native dynamic module: the policy's `filter.runtime`,
 docs/filter-native-module.md), the routes (per pool on the filter's `x-infermesh-pool` header, native header-rule
-routes, shed routes), the retry policy, per pool two clusters (the OpenAI HTTP front `pool_NAME`
+routes, shed routes; each only for the serving API's paths, `EDGE_PATHS`, and a JSON 404 for every
+other path), the retry policy, per pool two clusters (the OpenAI HTTP front `pool_NAME`
 and the gRPC front `pool_NAME_grpc`) with their limits, and their endpoints.
 
 Two assemblies use them and nothing else: envoy_bootstrap.py (one static `envoy -c` file, routes
@@ -177,10 +178,17 @@ class MeshListener:
     resources mirror). See docs/filter.md, "Native header rules"."""
     routing: Routing | None = None
     """The policy's routing decisions; default: read from `filter_config`."""
+    edge_paths: tuple[str, ...] = ()
+    """The paths the listener routes to a pool (default `EDGE_PATHS`, the serving API); every
+    other path gets the JSON 404 of `not_found_route`."""
 
     def __post_init__(self) -> None:
         if self.filter_runtime not in FILTER_RUNTIMES:
             raise ValueError(f"filter.runtime: {self.filter_runtime!r} is not one of {list(FILTER_RUNTIMES)}")
+
+    @property
+    def public_paths(self) -> tuple[str, ...]:
+        return self.edge_paths or EDGE_PATHS
 
     def pool(self, name: str) -> PoolEndpoint:
         return next(p for p in self.pools if p.pool == name)
@@ -502,18 +510,120 @@ def pool_header_match(pool: str) -> dict:
 
 
 def routes(m: MeshListener) -> list[dict]:
+    """The route table: every route to a pool narrowed to the edge's paths (`edge_routes`), then
+    the JSON 404 for everything else."""
     out = []
     for p in m.pools:
         out += deadline_class_routes(m, p.pool, p.pool)
         out += pool_routes(m, f"class-pool-{p.pool}", p.pool, pool_header_match(p.pool))
     routing = m.decisions()
     if uses_native_rules(m):
-        return out + native_rule_routes(m, routing)
-    default = m.default_pool or (m.pools[0].pool if m.pools else "")
-    if default:
+        out += native_rule_routes(m, routing)
+    elif default := m.default_pool or (m.pools[0].pool if m.pools else ""):
         # No pool header: the filter failed open (or is not there); the default class's pool serves.
         out += pool_routes(m, "default-pool", default, {"prefix": "/"})
+    return edge_routes(out, m.public_paths) + [not_found_route(m)]
+
+
+# -- the edge: only the serving API -------------------------------------------------------------
+#
+# The mesh listener is what clients reach, so it routes only the inference API the sidecars
+# serve (sidecar/http_api.py, sidecar/grpc_api.py). Their operational endpoints (/health,
+# /metrics, /infermesh/state), gRPC health and reflection stay reachable where they belong: the
+# clusters' health checks and the filter's state probe call the sidecars through the clusters,
+# never through a route, and Prometheus scrapes each sidecar (or, in Kubernetes, Istio's merged
+# metrics port). The admin API has its own port, which no cluster names.
+
+EDGE_PATHS = (
+    # The OpenAI front (and vLLM's Anthropic messages), the model list, vLLM's tokenizer
+    # endpoints: part of the API vLLM serves to clients, they cost no generation and reveal nothing
+    # about the pool (the filter never sheds them).
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models", "/tokenize", "/detokenize",
+    # gRPC: infermesh.v1.Inference's methods (sidecar/proto/infermesh/v1/inference.proto).
+    f"/{GRPC_HEALTH_SERVICE}/Generate", f"/{GRPC_HEALTH_SERVICE}/ListModels",
+)
+"""Every path the mesh listener routes to a pool, compared without the query, case-sensitive: a
+gRPC method (`is_grpc_method`) for gRPC requests only (content-type application/grpc*), any other
+path for the others."""
+
+NOT_FOUND_ROUTE = "edge-not-found"
+NOT_FOUND_BODY = json.dumps({"error": {
+    "message": "not found: the mesh serves only the inference API (/v1/chat/completions, /v1/completions, /v1/responses, "
+               "/v1/messages, /v1/models, /tokenize, /detokenize, gRPC infermesh.v1.Inference)",
+    "type": "invalid_request_error", "param": None, "code": "not_found"}}, separators=(",", ":"))
+
+
+def is_grpc_method(path: str) -> bool:
+    """`/package.Service/Method`: a gRPC call's path."""
+    return re.fullmatch(r"/[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)+/[A-Za-z_]\w*", path) is not None
+
+
+def path_regex(paths: list[str]) -> str:
+    """One RE2 pattern for exactly `paths`, their common prefixes factored out: Envoy refuses a
+    pattern whose compiled program is over 100 instructions (its `re2.max_program_size` error
+    level), about one per literal character, and the nine paths spelled out are 115."""
+    trie: dict = {}
+    for p in paths:
+        node = trie
+        for c in p:
+            node = node.setdefault(c, {})
+        node[""] = {}
+
+    def emit(node: dict) -> str:
+        alts = [re.escape(c) + emit(sub) for c, sub in node.items() if c]
+        if not alts:
+            return ""
+        if "" in node:
+            return f"(?:{'|'.join(alts)})?"
+        return alts[0] if len(alts) == 1 else f"(?:{'|'.join(alts)})"
+
+    return emit(trie)
+
+
+def edge_match(match: dict, paths: tuple[str, ...]) -> dict | None:
+    """A RouteMatch narrowed to the paths of `paths` its front serves (a gRPC route: the gRPC
+    methods; any other: the rest): its exact path if that is one of them, or those its prefix
+    covers (one as an exact path, several as one RE2 pattern, both compared without the query,
+    as the filter compares); None when it covers none (the route can never apply)."""
+    grpc = GRPC_CONTENT_TYPE in match.get("headers", [])
+    paths = tuple(p for p in paths if is_grpc_method(p) == grpc)
+    if "path" in match:
+        return dict(match) if match["path"] in paths else None
+    if "safe_regex" in match:
+        return dict(match)  # already narrowed
+    covered = [p for p in paths if p.startswith(match.get("prefix", "/"))]
+    if not covered:
+        return None
+    out = {k: v for k, v in match.items() if k != "prefix"}
+    if len(covered) == 1:
+        return {"path": covered[0], **out}
+    return {"safe_regex": {"regex": path_regex(covered)}, **out}
+
+
+def edge_routes(table: list[dict], paths: tuple[str, ...]) -> list[dict]:
+    """Every route to a pool with its match narrowed to `paths` (`edge_match`); a route that
+    covers none of them is left out."""
+    out = []
+    for r in table:
+        match = edge_match(r["match"], paths)
+        if match is not None:
+            out.append(dict(r, match=match))
     return out
+
+
+def not_found_route(m: MeshListener) -> dict:
+    """The last route: any path the edge does not serve, answered 404 by Envoy with an OpenAI
+    error (gRPC callers get UNIMPLEMENTED: Envoy maps a local reply's status); the filter is off
+    there, so such a request is never classified, buffered or shed."""
+    return {"name": NOT_FOUND_ROUTE, "match": {"prefix": "/"},
+            "direct_response": {"status": 404, "body": {"inline_string": NOT_FOUND_BODY}},
+            "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+            "typed_per_filter_config": filter_off(m)}
+
+
+def is_not_found(route: dict) -> bool:
+    return "direct_response" in route
 
 
 def reachable(m: MeshListener, table: list[dict]) -> list[dict]:

@@ -43,7 +43,10 @@ from typing import Any, Literal
 import yaml
 
 from .envoy_resources import (
+    EDGE_PATHS,
     GRPC_CONTENT_TYPE,
+    NOT_FOUND_BODY,
+    NOT_FOUND_ROUTE,
     ORCA_HEADER,
     POOL_LIMITS,
     REQUEST_BUFFER_LIMIT_BYTES,
@@ -57,7 +60,9 @@ from .envoy_resources import (
     circuit_breakers,
     cluster_name,
     common_lb_config,
+    edge_routes,
     health_checks,
+    is_not_found,
     local_code,
     on_pool_header,
     remote_code,
@@ -212,6 +217,8 @@ def http_match(match: dict) -> dict | None:
     out: dict[str, Any] = {}
     if "path" in match:
         out["uri"] = {"exact": match["path"]}
+    elif "safe_regex" in match:
+        out["uri"] = {"regex": match["safe_regex"]["regex"]}  # istiod: Envoy's safe_regex, the path without the query
     elif match.get("prefix", "/") != "/":
         out["uri"] = {"prefix": match["prefix"]}
     headers: dict[str, dict] = {}
@@ -295,6 +302,8 @@ def route_parts(policy: Policy) -> list[dict]:
     pools = {cluster_name(p, grpc): (p, grpc) for p in policy.pools for grpc in (False, True)}
     out: list[tuple[bool, dict]] = []  # (the route matches on the pool header, its part)
     for r in routes(m):
+        if is_not_found(r):
+            break  # the edge's 404 (`not_found_part`), after the routes
         part = _route_part(r, pools)
         if part is None:
             base = r["name"].removesuffix("-grpc").removeprefix("rule-")
@@ -302,12 +311,19 @@ def route_parts(policy: Policy) -> list[dict]:
                           "route": {"cluster": cluster_name(policy.default_pool, grpc), "timeout": "0s", "retry_policy": retry_policy()}}
                          for suffix, grpc, match in (("-grpc", True, {"prefix": "/", "headers": [GRPC_CONTENT_TYPE]}),
                                                      ("", False, {"prefix": "/"}))]
-            out += [(False, _route_part(c, pools)) for c in catch_all]
+            out += [(False, _route_part(c, pools)) for c in edge_routes(catch_all, m.public_paths)]
             break
         out.append((on_pool_header(r), part))
     if uses_native_rules(m) and not any(part["wasm"] for on_pool_header, part in out if not on_pool_header):
         out = [x for x in out if not x[0]]
     return [part for _, part in out]
+
+
+def not_found_part() -> dict:
+    """The VirtualService's last route: plain Envoy's `not_found_route`, Envoy's JSON 404 for any
+    path the edge does not serve (the filter turned off on it in the EnvoyFilter form)."""
+    return {"name": NOT_FOUND_ROUTE, "directResponse": {"status": 404, "body": {"string": NOT_FOUND_BODY}},
+            "headers": {"response": {"set": {"content-type": "application/json"}}}}
 
 
 def traffic_policy() -> dict:
@@ -342,6 +358,9 @@ def chart_parts(policy: Policy) -> dict:
                       strips client x-infermesh-* headers before routing (native rules only)
         routes        the VirtualService's routes: {pool, grpc, wasm (the filter runs), http,
                       envoyRoute (the pools' EnvoyFilter's HTTP_ROUTE patch: retries, hedging)}
+        edge          paths: the only paths any route serves (envoy_resources.EDGE_PATHS; the
+                      gateway's AuthorizationPolicy denies the others, the pools' admits only
+                      these from allowedNamespaces); notFound: the last route, a JSON 404
         routeSettings what every route gets in the EnvoyFilter form (the body buffer)
         wasmOff       the per-route config that turns the filter off
         trafficPolicy the DestinationRules' connection limits and outlier detection
@@ -375,6 +394,7 @@ def chart_parts(policy: Policy) -> dict:
             "earlyHeaderMutation": copy.deepcopy(STRIP_CLIENT_HEADERS) if native else [],
         },
         "routes": route_parts(policy),
+        "edge": {"paths": list(m.public_paths), "notFound": not_found_part()},
         "routeSettings": {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES} if policy.needs_body else {},
         "wasmOff": copy.deepcopy(WASM_OFF[WASM_FILTER]),
         "trafficPolicy": traffic_policy(),
@@ -502,7 +522,7 @@ def http_routes(parts: dict, opts: IstioOptions) -> list[dict]:
         port = opts.grpc_port if part["grpc"] else opts.http_port
         dest = {"destination": {"host": opts.fqdn(pool_service_name(opts, part["pool"])), "port": {"number": port}}}
         out.append(copy.deepcopy(part["http"]) | {"route": [dest]})
-    return out
+    return out + [copy.deepcopy(parts["edge"]["notFound"])]
 
 
 def pool_thresholds(parts: dict, opts: IstioOptions) -> list[dict]:
@@ -722,6 +742,10 @@ def envoy_filter(parts: dict, opts: IstioOptions) -> dict:
             patches.append({"applyTo": "HTTP_ROUTE",
                             "match": {"context": context, "routeConfiguration": {"vhost": {"route": {"name": route["http"]["name"]}}}},
                             "patch": {"operation": "MERGE", "value": value}})
+    # The edge's 404: never classified, buffered or shed, as in plain Envoy.
+    patches.append({"applyTo": "HTTP_ROUTE",
+                    "match": {"context": context, "routeConfiguration": {"vhost": {"route": {"name": parts["edge"]["notFound"]["name"]}}}},
+                    "patch": {"operation": "MERGE", "value": {"typed_per_filter_config": {name: copy.deepcopy(parts["wasmOff"])}}}})
     return {
         "apiVersion": "networking.istio.io/v1alpha3",
         "kind": "EnvoyFilter",
@@ -730,17 +754,35 @@ def envoy_filter(parts: dict, opts: IstioOptions) -> dict:
     }
 
 
+def edge_authorization_policies(parts: dict, opts: IstioOptions) -> list[dict]:
+    """With the routes bound to a gateway and the filter in it (`attach_to: gateway`; then
+    `filter_namespace`/`filter_selector` are the gateway's pods): a DENY in the gateway for every
+    path of the VirtualService's hosts that the edge does not serve. Istio's RBAC runs before the
+    routes, so the gateway answers those 403; the VirtualService's own 404 is for mesh clients
+    and any proxy this policy does not select. Scoped to the hosts: a gateway shared with other
+    applications keeps serving theirs (with `hosts: ["*"]` it covers every host of those pods)."""
+    if not opts.gateways or opts.attach_to != "gateway":
+        return []
+    return [{
+        "apiVersion": "security.istio.io/v1",
+        "kind": "AuthorizationPolicy",
+        "metadata": _meta(f"{opts.name}-edge", opts.filter_namespace, opts),
+        "spec": {"selector": {"matchLabels": dict(opts.filter_selector)}, "action": "DENY",
+                 "rules": [{"to": [{"operation": {"hosts": list(opts.hosts), "notPaths": list(parts["edge"]["paths"])}}]}]},
+    }]
+
+
 def filter_object(parts: dict, opts: IstioOptions) -> dict:
     return envoy_filter(parts, opts) if parts["filter"]["form"] == "EnvoyFilter" else wasm_plugin(parts, opts)
 
 
 def resources(policy: Policy, opts: IstioOptions) -> list[dict]:
     """Every object, in a stable order: Services, DestinationRules, VirtualServices, the filter,
-    the pools' EnvoyFilter."""
+    the pools' EnvoyFilter, the gateway's edge AuthorizationPolicy."""
     check(policy, opts)
     parts = chart_parts(policy)
     return [*services(parts, opts), *destination_rules(parts, opts), *virtual_services(parts, opts), filter_object(parts, opts),
-            pools_envoy_filter(parts, opts)]
+            pools_envoy_filter(parts, opts), *edge_authorization_policies(parts, opts)]
 
 
 def module_sha256(path: Path) -> str:

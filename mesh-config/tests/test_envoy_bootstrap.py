@@ -12,8 +12,8 @@ import pytest
 
 from infermesh import paths
 from infermesh.meshconfig.envoy_bootstrap import bootstrap
-from infermesh.meshconfig.envoy_resources import (FILTER_STATS_TAGS, GRPC_CONTENT_TYPE, NATIVE_FILTER, POOL_HEADER, WASM_FILTER, Routing,
-                                                  cluster_name, native_module_env)
+from infermesh.meshconfig.envoy_resources import (FILTER_STATS_TAGS, GRPC_CONTENT_TYPE, NATIVE_FILTER, NOT_FOUND_ROUTE, POOL_HEADER,
+                                                  WASM_FILTER, Routing, cluster_name, native_module_env)
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 
 
@@ -22,9 +22,11 @@ def _hcm(b: dict) -> dict:
 
 
 def _route_table(b: dict) -> dict:
-    """(pool header value or None, is_grpc) -> cluster."""
+    """(pool header value or None, is_grpc) -> cluster; the edge's 404 last."""
+    *routes, last = _hcm(b)["route_config"]["virtual_hosts"][0]["routes"]
+    assert last["name"] == NOT_FOUND_ROUTE and last["direct_response"]["status"] == 404
     table = {}
-    for r in _hcm(b)["route_config"]["virtual_hosts"][0]["routes"]:
+    for r in routes:
         headers = r["match"].get("headers", [])
         pool = next((h["string_match"]["exact"] for h in headers if h["name"] == POOL_HEADER), None)
         table[(pool, GRPC_CONTENT_TYPE in headers)] = r["route"]["cluster"]
@@ -48,7 +50,7 @@ def test_http_and_grpc_route_and_cluster_per_pool_plus_default():
     # gRPC routes come before the HTTP route of the same pool (the HTTP route matches gRPC too).
     names = [r["name"] for r in routes]
     assert names.index("class-pool-interactive-grpc") < names.index("class-pool-interactive")
-    for r in routes:
+    for r in routes[:-1]:
         retry = r["route"]["retry_policy"]
         assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream", "reset"}
         assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
@@ -91,13 +93,14 @@ def test_native_rules_decide_in_the_route_table_and_send_only_body_rules_to_the_
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["name"] for r in routes] == [
         "class-pool-interactive-grpc", "class-pool-interactive", "class-pool-batch-grpc", "class-pool-batch",
-        "filter-chat-bulk-grpc", "filter-chat-bulk",  # chat is the same match: the filter decides it there
-        "rule-grpc-generate-grpc", "rule-grpc-generate",
-        "default-pool-grpc", "default-pool",
+        "filter-chat-bulk",  # chat is the same match: the filter decides it there (no gRPC twin: no gRPC method)
+        "rule-grpc-generate-grpc",  # (no HTTP twin: a gRPC method's path is no HTTP path of the edge)
+        "default-pool-grpc", "default-pool", NOT_FOUND_ROUTE,
     ]
     by_name = {r["name"]: r for r in routes}
     chat = by_name["filter-chat-bulk"]
-    assert chat["match"]["prefix"] == "/v1/chat/completions" and "typed_per_filter_config" not in chat, "the filter runs here"
+    # The rule's prefix narrowed to the one serving path it covers.
+    assert chat["match"]["path"] == "/v1/chat/completions" and "typed_per_filter_config" not in chat, "the filter runs here"
     assert chat["match"]["headers"][0]["name"] == ":method"
     grpc = by_name["rule-grpc-generate-grpc"]
     assert grpc["match"]["path"] == "/infermesh.v1.Inference/Generate"
@@ -122,7 +125,7 @@ def test_without_a_filter_route_the_unreachable_pool_header_routes_are_left_out(
     plan = dataclasses.replace(plan, policy=plan.policy.model_copy(update={"rules": rules}))
     routes = _hcm(bootstrap(plan.listener(Path("/x.wasm"))))["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["name"] for r in routes] == [
-        "rule-chat-grpc", "rule-chat", "rule-grpc-generate-grpc", "rule-grpc-generate", "default-pool-grpc", "default-pool"]
+        "rule-chat", "rule-grpc-generate-grpc", "default-pool-grpc", "default-pool", NOT_FOUND_ROUTE]
     assert all(r["typed_per_filter_config"]["envoy.filters.http.wasm"]["disabled"] for r in routes)
 
 
@@ -131,13 +134,12 @@ def test_rules_of_classes_when_degraded_may_shed_are_decided_by_the_filter():
     routes = _hcm(bootstrap(plan.listener(Path("/x.wasm"))))["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["name"] for r in routes] == [
         "class-pool-interactive-grpc", "class-pool-interactive", "class-pool-batch-grpc", "class-pool-batch",
-        "filter-chat-bulk-grpc", "filter-chat-bulk", "rule-grpc-generate-grpc", "rule-grpc-generate",
-        "filter-default-grpc", "filter-default",
+        "filter-chat-bulk", "rule-grpc-generate-grpc", "filter-default-grpc", "filter-default", NOT_FOUND_ROUTE,
     ]
     native = [r for r in routes if r["name"].startswith("rule-")]
     assert all(r["typed_per_filter_config"]["envoy.filters.http.wasm"]["disabled"] for r in native), "interactive only spills"
-    assert all("typed_per_filter_config" not in r and "request_headers_to_add" not in r for r in routes if r not in native)
-    assert routes[-1]["route"]["cluster"] == "pool_batch", "the filter failing open: the default pool"
+    assert all("typed_per_filter_config" not in r and "request_headers_to_add" not in r for r in routes[:-1] if r not in native)
+    assert routes[-2]["route"]["cluster"] == "pool_batch", "the filter failing open: the default pool"
 
 
 def test_trusted_sources_keep_the_filter_on_every_request():
@@ -146,7 +148,8 @@ def test_trusted_sources_keep_the_filter_on_every_request():
     m = dataclasses.replace(plan.listener(Path("/x.wasm")), filter_config=fc, routing=Routing.from_filter_config(fc))
     hcm = _hcm(bootstrap(m))
     assert "early_header_mutation_extensions" not in hcm, "a trusted peer's headers must reach the filter"
-    assert all("typed_per_filter_config" not in r for r in hcm["route_config"]["virtual_hosts"][0]["routes"])
+    # (Except the edge's 404: nothing to decide there.)
+    assert all("typed_per_filter_config" not in r for r in hcm["route_config"]["virtual_hosts"][0]["routes"][:-1])
 
 
 def test_the_spill_pool_backs_the_pool_at_priority_one():

@@ -11,7 +11,8 @@ import pytest
 from infermesh import paths
 from infermesh.meshconfig import istio
 from infermesh.meshconfig.envoy_bootstrap import bootstrap
-from infermesh.meshconfig.envoy_resources import REQUEST_BUFFER_LIMIT_BYTES, STRIP_CLIENT_HEADERS, route_config
+from infermesh.meshconfig.envoy_resources import (EDGE_PATHS, NOT_FOUND_ROUTE, REQUEST_BUFFER_LIMIT_BYTES, STRIP_CLIENT_HEADERS,
+                                                  route_config)
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy, parse_policy
 
@@ -41,6 +42,9 @@ def _plain_routes(policy):
     route table the local mesh serves for the policy."""
     out = []
     for r in route_config(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"]:
+        if "direct_response" in r:  # the edge's 404, last
+            out.append((r["name"], 404, r["direct_response"]["body"]["inline_string"]))
+            continue
         cluster = r["route"]["cluster"]
         sets = {h["header"]["key"]: h["header"]["value"] for h in r.get("request_headers_to_add", [])}
         out.append((r["name"], cluster.endswith("_grpc"), cluster.removeprefix("pool_").removesuffix("_grpc"), sets,
@@ -53,20 +57,21 @@ def _istio_routes(policy, opts=OPTS):
     parts = istio.chart_parts(policy)
     by_host = {opts.fqdn(istio.pool_service_name(opts, p)): p for p in policy.pools}
     out = []
-    for r, part in zip(istio.http_routes(parts, opts), parts["routes"]):
+    *routes, last = istio.http_routes(parts, opts)
+    for r, part in zip(routes, parts["routes"], strict=True):
         dest = r["route"][0]["destination"]
         grpc = dest["port"]["number"] == opts.grpc_port
         assert grpc == ("content-type" in (r["match"][0].get("headers", {}) if "match" in r else {})), r
         request = r.get("headers", {}).get("request", {})
         out.append((r["name"], grpc, by_host[dest["host"]], {**request.get("set", {}), **request.get("add", {})}, not part["wasm"]))
-    return out
+    return out + [(last["name"], last["directResponse"]["status"], last["directResponse"]["body"]["string"])]
 
 
 def _reachable(plain):
     """The plain-Envoy routes a request can reach: without the pool-header routes (`class-…`)
     when no other route runs the filter, the only thing that sets the pool header once the early
     header mutation removed a client's."""
-    if any(not off for name, _, _, _, off in plain if not name.startswith("class-")):
+    if any(not r[-1] for r in plain if not r[0].startswith("class-") and r[0] != NOT_FOUND_ROUTE):
         return plain
     return [r for r in plain if not r[0].startswith("class-")]
 
@@ -85,7 +90,8 @@ def test_pool_header_routes_are_left_out_only_where_the_filter_never_runs():
     the pool header and its routes go. With a body rule, or with trusted sources (no native
     rules, no strip), the filter runs and sends requests to them: they stay."""
     names = [p["http"]["name"] for p in istio.chart_parts(parse_policy(HEADER_ONLY))["routes"]]
-    assert names == ["rule-vip-grpc", "rule-vip", "rule-chat-grpc", "rule-chat", "default-pool-grpc", "default-pool"]
+    # (No rule-chat-grpc: the chat path is no gRPC method, so no gRPC call can take that route.)
+    assert names == ["rule-vip-grpc", "rule-vip", "rule-chat", "default-pool-grpc", "default-pool"]
     body = HEADER_ONLY.replace("rules:\n", "rules:\n  - {name: long, class: bulk, match: {body: {max_tokens: {min: 1024}}}}\n", 1)
     for policy in (parse_policy(body), parse_policy(TRUSTED), load_policy(LOCAL_POLICY)):
         names = [p["http"]["name"] for p in istio.chart_parts(policy)["routes"]]
@@ -98,7 +104,7 @@ def test_each_routing_header_keeps_the_plain_envoy_routes_append_action():
     already removed a client's copy, and an overwrite looks the header up first)."""
     plain = {r["name"]: r for r in route_config(LocalMeshPlan(policy=parse_policy(HEADER_ONLY)).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"]}
     parts = istio.chart_parts(parse_policy(HEADER_ONLY))
-    for r in istio.http_routes(parts, OPTS):
+    for r in istio.http_routes(parts, OPTS)[:-1]:  # (the edge's 404 adds none)
         want = {"add": {}, "set": {}}
         for h in plain[r["name"]].get("request_headers_to_add", []):
             want["add" if h["append_action"] == "APPEND_IF_EXISTS_OR_ADD" else "set"][h["header"]["key"]] = h["header"]["value"]
@@ -114,14 +120,16 @@ def test_native_rules_strip_client_headers_before_routing_and_turn_the_filter_of
     assert strip["match"] == {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager"}}}}
     assert strip["patch"]["value"]["typed_config"]["early_header_mutation_extensions"] == STRIP_CLIENT_HEADERS
     off = {p["match"]["routeConfiguration"]["vhost"]["route"]["name"]: p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_ROUTE"}
-    # Every rule and the default decide in a route: the filter is off there (no body: no buffer).
-    assert set(off) == {"rule-vip-grpc", "rule-vip", "rule-chat-grpc", "rule-chat", "default-pool-grpc", "default-pool"}
+    # Every rule and the default decide in a route: the filter is off there (no body: no buffer),
+    # and on the edge's 404.
+    assert set(off) == {"rule-vip-grpc", "rule-vip", "rule-chat", "default-pool-grpc", "default-pool", NOT_FOUND_ROUTE}
     chain = patches[0]["patch"]["value"]["name"]
     assert all(v == {"typed_per_filter_config": {chain: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}}}
                for v in off.values())
     # One method, matched case-insensitively as the filter does (Istio has no ignore_case).
     chat = next(r for r in istio.http_routes(parts, OPTS) if r["name"] == "rule-chat")
-    assert chat["match"] == [{"uri": {"prefix": "/v1/chat/completions"}, "method": {"regex": "[Pp][Oo][Ss][Tt]"}}]
+    # (Its prefix narrowed to the one path of the serving API it covers.)
+    assert chat["match"] == [{"uri": {"exact": "/v1/chat/completions"}, "method": {"regex": "[Pp][Oo][Ss][Tt]"}}]
     assert chat["headers"] == {"request": {"add": {"x-infermesh-class": "chat", "x-infermesh-pool": "fast", "x-infermesh-rule": "chat"}},
                                "response": {"remove": ["endpoint-load-metrics"]}}
 
@@ -164,7 +172,7 @@ def test_pool_limits_and_outlier_detection_are_those_of_the_plain_envoy_clusters
         }
     # Retries: the same conditions, never on a response.
     retry = route["route"]["retry_policy"]
-    for r in istio.http_routes(istio.chart_parts(policy), OPTS):
+    for r in istio.http_routes(istio.chart_parts(policy), OPTS)[:-1]:  # (not the edge's 404)
         assert r["retries"] == {"attempts": retry["num_retries"], "retryOn": retry["retry_on"]}
         assert route["route"]["timeout"] == "0s" and "timeout" not in r  # Istio's default: none
 
@@ -214,7 +222,9 @@ def test_body_rules_give_an_envoy_filter_that_can_pause_for_the_body():
     assert insert["patch"]["value"]["name"] == patches[0]["patch"]["value"]["name"]
     # Every route of the VirtualService can buffer a body as in plain Envoy.
     buffered = {p["match"]["routeConfiguration"]["vhost"]["route"]["name"]: p["patch"]["value"] for p in patches[2:]}
-    assert buffered == {r["name"]: {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES} for r in istio.http_routes(parts, OPTS)}
+    *routes, not_found = istio.http_routes(parts, OPTS)
+    assert buffered.pop(not_found["name"]) == {"typed_per_filter_config": {insert["patch"]["value"]["name"]: parts["wasmOff"]}}
+    assert buffered == {r["name"]: {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES} for r in routes}
 
 
 def test_fail_close_maps_to_envoys_fail_closed():

@@ -74,16 +74,18 @@ infermesh.io/pool: {{ .pool }}
 {{- toYaml (merge (deepCopy $over) (deepCopy .root.Values.poolDefaults)) -}}
 {{- end -}}
 
-{{/* The VirtualService's routes: the model's route parts, each with its pool's Service and port
-(istio.py http_routes). */}}
+{{/* The VirtualService's routes: the model's route parts, each with its pool's Service and port,
+then the edge's JSON 404 for every other path (istio.py http_routes). */}}
 {{- define "infermesh.httpRoutes" -}}
 {{- $root := . -}}
 {{- $out := list -}}
-{{- range $r := (include "infermesh.generated" . | fromJson).routes -}}
+{{- $g := include "infermesh.generated" . | fromJson -}}
+{{- range $r := $g.routes -}}
 {{- $host := include "infermesh.fqdn" (dict "root" $root "name" (include "infermesh.poolName" (dict "root" $root "pool" $r.pool))) -}}
 {{- $port := int (ternary $root.Values.ports.grpc $root.Values.ports.http $r.grpc) -}}
 {{- $dest := dict "destination" (dict "host" $host "port" (dict "number" $port)) -}}
 {{- $out = append $out (merge (dict "route" (list $dest)) $r.http) -}}
 {{- end -}}
+{{- $out = append $out $g.edge.notFound -}}
 {{- toYaml $out -}}
 {{- end -}}

@@ -19,6 +19,9 @@ refuses a policy that `infermesh policy check` refuses). Run by "infermesh.gener
 {{- fail (printf "pools.%s: not a pool of the policy %v" $name $pools) -}}
 {{- end -}}
 {{- end -}}
+{{- if not .generated.edge -}}
+{{- fail "generated.edge: missing: these values were written before the edge served only the inference API; regenerate with `infermesh policy render POLICY helm-values`" -}}
+{{- end -}}
 {{- if not $root.Values.filter.url -}}
 {{- fail "filter.url: required: where proxies fetch the Wasm filter (oci://…, https://…, file://…); see docs/kubernetes.md" -}}
 {{- end -}}
