@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -122,8 +123,12 @@ def grpc_message(e: SidecarError) -> str:
     """The status message: an invalid argument starts with the proto field it is about."""
     if not isinstance(e, BadRequest) or not e.param:
         return e.message
-    field = PROTO_FIELD.get(e.param, e.param)
-    return e.message if e.message.startswith(field) else f"{field}: {e.message}"
+    name, dot, rest = e.param.partition(".")
+    field = PROTO_FIELD.get(name, name) + dot + rest
+    message = e.message
+    if name in PROTO_FIELD and re.match(rf"{re.escape(name)}\b", message):  # "structured_outputs.regex must …"
+        message = PROTO_FIELD[name] + message[len(name):]
+    return message if message.startswith(field) else f"{field}: {message}"
 
 
 def token_chunk(ev: TokenDelta) -> pb.TokenChunk:

@@ -46,13 +46,18 @@ def peer_address(peer: Any) -> Address | None:
         kind, sep, rest = peer.partition(":")
         if sep and kind in ("ipv4", "ipv6"):
             rest = unquote(rest)
-            host = rest[1:rest.find("]")] if rest.startswith("[") else rest.rpartition(":")[0] or rest
+            if rest.startswith("["):
+                host, bracket, _ = rest[1:].partition("]")
+                if not bracket:
+                    return None
+            else:
+                host = rest.rpartition(":")[0] or rest
         elif sep and kind in ("unix", "unix-abstract"):
             return None
         else:
             host = peer
     try:
-        addr = ipaddress.ip_address(host.strip("[]"))
+        addr = ipaddress.ip_address(host)
     except ValueError:
         return None
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
