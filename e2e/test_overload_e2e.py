@@ -70,6 +70,9 @@ def test_100x_capacity_every_chat_answered_refusals_fast_served_in_time(local_me
         return d, rate
 
     d, rate = asyncio.run(run())
+    # Envoy refused nothing of its own: its pending queue, connection and request limits never overflowed.
+    stats = httpx.get(f"http://127.0.0.1:{local_mesh.plan.admin_port}/stats?filter=overflow", timeout=5).text
+    overflows = {k: int(v) for k, v in (line.split(": ") for line in stats.splitlines() if ": " in line) if v.isdigit() and int(v)}
     state = httpx.get(local_mesh.admin_url("interactive") + "/admin/state", timeout=5).json()
     print("interactive engines' slots after:", [(e["model"], e["slots"]) for e in state["engines"]])
     reqs = [r for r in d.requests if r.kind == "interactive"]
@@ -85,6 +88,7 @@ def test_100x_capacity_every_chat_answered_refusals_fast_served_in_time(local_me
     assert len(reqs) >= 0.8 * rate * LOAD_S, "the client kept the rate"
     assert counts["lost"] == 0, [r.error for r in reqs if r.status is None][:5]
     assert counts["failed"] == 0, [(r.status, r.error_code, r.error) for r in reqs if r.outcome == "failed"][:5]
+    assert overflows == {}, overflows
     assert refused, "100x capacity is refused in part"
     assert all(r.retry_after and r.error_code for r in refused), "every refusal carries Retry-After and an OpenAI error"
     assert percentile(refusal_s, 99) <= REFUSAL_P99_S

@@ -161,15 +161,19 @@ def test_cpu_watch_samples_each_process_and_the_report_prints_the_top_flood_leve
     async def run():
         stop = asyncio.Event()
         task = asyncio.get_running_loop().create_task(b._cpu_watch(stop, w, {"flood-client": os.getpid()}))
-        t = time.monotonic()
+        t, cpu0 = time.monotonic(), time.process_time()
         while time.monotonic() - t < 1.2:  # busy, so this process has CPU to show
             await asyncio.sleep(0)
         stop.set()
         await task
+        return 100 * (time.process_time() - cpu0) / (time.monotonic() - t)
 
-    asyncio.run(run())
+    used_pct = asyncio.run(run())
     assert set(w.cpu) == {"sidecar-batch", "flood-client", "bench-client"}
-    assert w.cpu["bench-client"]["cpu_pct"] > 20 and 0 <= w.cpu["bench-client"]["on_cpu0"] <= 1
+    # What this process got of a core depends on what else the machine runs (12 % beside an e2e
+    # mesh start, ~100 % alone): the samples must show what it used, not a fixed share.
+    assert used_pct > 0 and w.cpu["bench-client"]["cpu_pct"] >= 0.5 * used_pct, (w.cpu, used_pct)
+    assert 0 <= w.cpu["bench-client"]["on_cpu0"] <= 1
     ws = fake_flood({"vllm-serve": 0.1, "envoy-rr": 0.1, "infermesh": 0.1}, {"vllm-serve": 2.0, "envoy-rr": 0.9, "infermesh": 0.12})
     for x in ws:
         if x["setup"] == "infermesh" and x["level"] == 40.0:
