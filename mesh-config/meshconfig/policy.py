@@ -676,7 +676,10 @@ def _compose(text: str, path: str) -> tuple[yaml.Node | None, Any]:
         return node, (loader.construct_document(node) if node is not None else None)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
-        msg = " ".join(x for x in (e.context, e.problem) if x) or type(e).__name__
+        context = e.context or ""
+        if context and e.context_mark and e.problem_mark and e.context_mark.line != e.problem_mark.line:
+            context += f" (line {e.context_mark.line + 1})"  # e.g. where the unclosed quote or the first anchor was
+        msg = ", ".join(x for x in (context, e.problem) if x) or type(e).__name__
         raise PolicyError(path, [(mark.line + 1 if mark else None, "(yaml)", msg)], getattr(e, "reason", "yaml")) from e
     except yaml.reader.ReaderError as e:
         # A character YAML does not allow (NUL, most control characters), at its character offset.
