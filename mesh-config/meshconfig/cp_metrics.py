@@ -31,5 +31,12 @@ class ControlPlaneMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on host:port (0: a free port) from a thread; the port it bound."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_address[1]
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_address[1]
+
+    def close(self) -> None:
+        """Stop serving /metrics (the process's end stops it too)."""
+        if getattr(self, "_http", None) is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -250,7 +250,9 @@ def test_a_writer_appending_rules_in_chunks_is_never_applied_half_written(tmp_pa
     path = tmp_path / "policy.yaml"
     path.write_text(GOOD)
     seen = []
-    w = PolicyFileWatcher(path, seen.append, settle=0.2)
+    # The writer pauses 30 ms between chunks; a settle interval far above that keeps a stalled
+    # thread on a loaded machine from looking like a finished write.
+    w = PolicyFileWatcher(path, seen.append, settle=1.0)
     assert w.load()
     data = full.encode()
     cut = [data.index(f"  - name: extra-{i}\n".encode()) for i in range(12)] + [len(data)]
@@ -267,7 +269,7 @@ def test_a_writer_appending_rules_in_chunks_is_never_applied_half_written(tmp_pa
 
     t = threading.Thread(target=writer)
     t.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while t.is_alive() or len(seen) < 2:
         w.poll()
         assert time.monotonic() < deadline
@@ -319,3 +321,20 @@ def test_policy_check_says_the_same_with_exit_code_1_and_no_traceback(tmp_path, 
     assert cli_main(["policy", "check", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"{path}:") and says in err and "Traceback" not in err, err
+
+
+def test_the_counters_are_served_as_prometheus_text(tmp_path):
+    import urllib.request
+
+    path = tmp_path / "policy.yaml"
+    path.write_bytes(b"\xff")
+    w = PolicyFileWatcher(path, lambda p: None)
+    assert not w.load()
+    port = w.metrics.serve("127.0.0.1", 0)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        w.metrics.close()
+    assert 'infermesh_policy_rejections_total{reason="encoding"} 1.0' in text
+    assert "infermesh_xds_nacks_total" in text and "infermesh_xds_rollbacks_total 0.0" in text
