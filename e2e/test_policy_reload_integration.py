@@ -19,8 +19,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 import e2e.test_control_plane_integration as cpi
 from e2e.test_control_plane_integration import POLICY, Harness, Traffic, post
 from infermesh.meshconfig.envoy_resources import NATIVE_SEARCH_PATH_ENV

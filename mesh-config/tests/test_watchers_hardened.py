@@ -14,7 +14,7 @@ import pytest
 
 from infermesh.cli import main as cli_main
 from infermesh.meshconfig import policy as policy_mod
-from infermesh.meshconfig.policy import LOCAL_POLICY, MAX_POLICY_BYTES, PolicyError, load_policy, read_policy_bytes
+from infermesh.meshconfig.policy import LOCAL_POLICY, MAX_POLICY_BYTES, PolicyError, read_policy_bytes
 from infermesh.meshconfig.watchers import PolicyFileWatcher
 
 GOOD = LOCAL_POLICY.read_text()
