@@ -17,12 +17,23 @@ token counts and the request's outcome are recorded here, once, for both fronts.
 Between admission and vLLM the request waits for one of its model's engine slots
 (admission.EngineSlots); one that can no longer get its first token within its class's target is
 refused there (429 `ttft_target_unreachable`, Retry-After), and vLLM never sees it.
+
+On the HTTP front the class's target is also the request's TTFT limit when the mesh sent none
+(`x-infermesh-ttft-give-up-ms`): the front's own timer answers it, with Retry-After, streamed or
+not (vLLM's serving layer, between the front and the engine client, would turn an error raised in
+the wait into a stream's error chunk without one). A request refused while it waited is held until
+then; a stream that reached vLLM without a first token by then gets 503 `ttft_target_missed` and
+is aborted there; a non-streamed one, once in vLLM, runs to its end (watching its first token
+would take vLLM's cumulative outputs, a cost on every step).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import math
+
+import grpc
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -54,6 +65,23 @@ class Front(enum.Enum):
         return str(error.http_status) if self is Front.HTTP else error.grpc_code.name
 
 
+class QueueRefusal(DeadlineExceeded):
+    """A request refused while it waited for an engine slot: it never reached vLLM (429). A
+    DeadlineExceeded, so that the HTTP front's TTFT-limit paths answer it with Retry-After."""
+
+    http_status = 429
+    grpc_code = TargetUnreachable.grpc_code
+    openai_type = TargetUnreachable.openai_type
+
+
+class TargetMissed(DeadlineExceeded):
+    """A request vLLM started in time by the estimate that had no first token by its class's
+    target: aborted there, 503 with Retry-After (a mesh's own give-up limit stays a 504)."""
+
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
 _HTTP_REFUSAL: type | None = None
 
 
@@ -65,11 +93,10 @@ def http_refusal(e: TargetUnreachable) -> Exception:
     if _HTTP_REFUSAL is None:
         from vllm.exceptions import GracefulHTTPError
 
-        class WaitRefused(DeadlineExceeded, GracefulHTTPError):
-            http_status = TargetUnreachable.http_status
-            grpc_code = TargetUnreachable.grpc_code
-            openai_type = TargetUnreachable.openai_type
-            retryable = True
+        class WaitRefused(QueueRefusal, GracefulHTTPError):
+            def __init__(self, message: str, *, code: str | None = None, retry_after_s: float | None = None):
+                Exception.__init__(self, message)  # GracefulHTTPError's own wants a status: the class's
+                self.message, self.param, self.code, self.retry_after_s = message, None, code, retry_after_s
 
         _HTTP_REFUSAL = WaitRefused
     out = _HTTP_REFUSAL(e.message, code=e.code, retry_after_s=e.retry_after_s)
@@ -95,6 +122,8 @@ class RequestLifecycle:
         self._submitted_at = 0.0  # when it got its engine slot
         self.refusal: TargetUnreachable | None = None
         """Refused while it waited for an engine slot (never reached vLLM)."""
+        self._target_limit = False  # the TTFT limit is the class's target (set at admission), not the mesh's
+        self._delta = False  # vLLM's layer streams this request (delta outputs)
         self._vllm_done = False  # vLLM has finished or dropped it: nothing to abort
         self._events: AsyncIterator[TokenDelta | Completion] | None = None
         self._closed = False
@@ -125,6 +154,9 @@ class RequestLifecycle:
                 raise
             self._admitted_at = self.pool.clock()
             self.pool.load.on_admitted()
+            if self.front is Front.HTTP and self.req.ttft_give_up_s is None and math.isfinite(self.admission.target_s):
+                self.req.ttft_give_up_s = self.admission.target_s
+                self._target_limit = True
         return self.admission
 
     async def __aenter__(self) -> "RequestLifecycle":
@@ -137,20 +169,25 @@ class RequestLifecycle:
 
     @property
     def first_token_seen(self) -> bool:
-        return self._first_token_at is not None
+        """For the HTTP front's TTFT limit: a non-streamed request under its class's target counts
+        from the moment vLLM has it (only its wait is limited, see the module's docstring)."""
+        return self._first_token_at is not None or (self._target_limit and self._submitted and not self._delta)
 
     def first_token_deadline(self) -> float:
         """When the request's TTFT limit (`req.ttft_give_up_s`, set) ends, on the pool's clock."""
         return self._admitted_at + (self.req.ttft_give_up_s or 0.0)
 
-    def gave_up(self) -> SidecarError:
-        """The error of a request without a first token at its TTFT limit (docs/replicas.md); one
-        still waiting for an engine slot then never reached vLLM: it is refused (429)."""
+    def gave_up(self) -> DeadlineExceeded:
+        """The error of a request without a first token at its TTFT limit (docs/replicas.md). One
+        that never reached vLLM is refused (429, its refusal's Retry-After); one that did is 503
+        `ttft_target_missed` under its class's target, 504 `ttft_deadline_exceeded` under the mesh's limit."""
         limit_ms = (self.req.ttft_give_up_s or 0) * 1000
         if not self._submitted:
-            self.refusal = TargetUnreachable(f"waited {limit_ms:.0f} ms for an engine slot, the request's TTFT limit",
-                                             code="ttft_target_unreachable", retry_after_s=1)
-            return self.refusal
+            why = self.refusal.message if self.refusal is not None else f"waited {limit_ms:.0f} ms for an engine slot, its TTFT limit"
+            return QueueRefusal(why, code="ttft_target_unreachable", retry_after_s=self.refusal.retry_after_s if self.refusal else 1)
+        if self._target_limit:
+            return TargetMissed(f"no first token within the {self.admission.request_class} class's {limit_ms:.0f} ms target",
+                                code="ttft_target_missed", retry_after_s=1)
         return DeadlineExceeded(f"no first token within {limit_ms:.0f} ms", code="ttft_deadline_exceeded", retry_after_s=1)
 
     async def _slot(self) -> None:
@@ -221,14 +258,17 @@ class RequestLifecycle:
         # A non-streamed request under a TTFT give-up limit must show its first token when it
         # comes (the front gives up only without one): vLLM's cumulative outputs, of which only
         # the final one, with every choice (as FINAL_ONLY gathers them), goes on to vLLM's layer.
-        gather = self.req.ttft_give_up_s is not None and getattr(params, "output_kind", None) == RequestOutputKind.FINAL_ONLY
+        gather = (self.req.ttft_give_up_s is not None and not self._target_limit
+                  and getattr(params, "output_kind", None) == RequestOutputKind.FINAL_ONLY)
         if gather:
             params.output_kind = RequestOutputKind.CUMULATIVE
         latest: dict[int, object] = {}  # each choice's last output (gather)
-        delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
+        delta = self._delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
         try:
             await self._slot()
         except TargetUnreachable as e:
+            if self.req.ttft_give_up_s is not None:
+                await asyncio.Future()  # held, never submitted: the front's timer answers it (gave_up)
             raise http_refusal(e) from None
         self._vllm_ids.add(vllm_request_id)
         counted: dict[int, int] = {}  # tokens of each choice so far (cumulative outputs)

@@ -228,3 +228,44 @@ def test_the_cap_grows_with_first_tokens_in_time_and_shrinks_once_a_round_when_l
     for _ in range(100):
         s.measured_first_token(0.1, 1.0)
     assert s.cap == 32, "never above max_num_seqs"
+
+
+# -- through the HTTP front on vLLM's serving layer (fake engine, conftest.py) -------------------
+
+def test_http_stream_refused_while_waiting_gets_429_retry_after_and_never_reaches_vllm(make_vllm_pool):
+    import json
+
+    from infermesh.sidecar.config import SidecarConfig
+    from infermesh.sidecar.http_api import build_app
+    from sidecar.tests.test_headers_at_first_token import _asgi, _hold_first_token
+
+    cfg = SidecarConfig.model_validate({
+        "pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "max_num_seqs": 1}],
+        "classes": {"interactive": {"priority": 0, "ttft_target_ms": 300}, "batch": {"priority": 10, "sheddable": True}}})
+    pool = make_vllm_pool(cfg)
+    llm = pool.primary.engine
+    opened = _hold_first_token(llm)
+    app = build_app(pool)
+    slots = pool.admission.slots["m-large"]
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+
+    async def run():
+        # A batch chat (10 s target) holds the one slot until its first token at 1.0 s.
+        holder = asyncio.create_task(_asgi(app, body, None, opened, open_after=1.0))
+        while slots.busy == 0:
+            await asyncio.sleep(0.01)
+        slots.measured_hold(0.2)  # as if measured: the next one would start in 0.2 s, within 300 ms
+        sent = await _asgi(app, body, None, headers=[(b"x-infermesh-class", b"interactive")])
+        await holder
+        return sent
+
+    sent = asyncio.run(run())
+    start = next(m for _, m in sent if m["type"] == "http.response.start")
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    err = json.loads(b"".join(m.get("body", b"") for _, m in sent if m["type"] == "http.response.body"))["error"]
+    assert start["status"] == 429 and int(headers["retry-after"]) >= 1
+    assert err["code"] == "ttft_target_unreachable" and err["type"] == "rate_limit_error"
+    assert len(llm.requests) == 1, "only the holder reached vLLM"
+    assert slots.waiting == [] and slots.busy == 0 and pool.inflight == 0
+    t = next(t for t, m in sent if m["type"] == "http.response.start")
+    assert t < 0.45, "answered at its 300 ms target, not when the slot freed at 1 s"
