@@ -268,4 +268,4 @@ def test_http_stream_refused_while_waiting_gets_429_retry_after_and_never_reache
     assert len(llm.requests) == 1, "only the holder reached vLLM"
     assert slots.waiting == [] and slots.busy == 0 and pool.inflight == 0
     t = next(t for t, m in sent if m["type"] == "http.response.start")
-    assert t < 0.45, "answered at its 300 ms target, not when the slot freed at 1 s"
+    assert 0.3 <= t < 1.0, "answered at its 300 ms target, not when the slot freed at 1 s"
