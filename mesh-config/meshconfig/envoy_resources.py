@@ -580,35 +580,41 @@ def path_regex(paths: list[str]) -> str:
     return emit(trie)
 
 
-def edge_match(match: dict, paths: tuple[str, ...]) -> dict | None:
+PATTERN_CHARS = 100
+"""The longest path pattern one match gets (compiled, about 85 RE2 instructions); a longer list
+of paths is split over several matches of the same route."""
+
+
+def edge_match(match: dict, paths: tuple[str, ...]) -> list[dict]:
     """A RouteMatch narrowed to the paths of `paths` its front serves (a gRPC route: the gRPC
     methods; any other: the rest): its exact path if that is one of them, or those its prefix
-    covers (one as an exact path, several as one RE2 pattern, both compared without the query,
-    as the filter compares); None when it covers none (the route can never apply)."""
+    covers (one as an exact path, several as RE2 patterns of at most PATTERN_CHARS, compared
+    without the query, as the filter compares); none when it covers none (the route can never
+    apply)."""
     grpc = GRPC_CONTENT_TYPE in match.get("headers", [])
     paths = tuple(p for p in paths if is_grpc_method(p) == grpc)
     if "path" in match:
-        return dict(match) if match["path"] in paths else None
+        return [dict(match)] if match["path"] in paths else []
     if "safe_regex" in match:
-        return dict(match)  # already narrowed
+        return [dict(match)]  # already narrowed
     covered = [p for p in paths if p.startswith(match.get("prefix", "/"))]
-    if not covered:
-        return None
-    out = {k: v for k, v in match.items() if k != "prefix"}
+    rest = {k: v for k, v in match.items() if k != "prefix"}
     if len(covered) == 1:
-        return {"path": covered[0], **out}
-    return {"safe_regex": {"regex": path_regex(covered)}, **out}
+        return [{"path": covered[0], **rest}]
+    chunks: list[list[str]] = []
+    for p in covered:
+        if chunks and len(path_regex(chunks[-1] + [p])) <= PATTERN_CHARS:
+            chunks[-1].append(p)
+        else:
+            chunks.append([p])
+    return [{"path": c[0], **rest} if len(c) == 1 else {"safe_regex": {"regex": path_regex(c)}, **rest} for c in chunks]
 
 
 def edge_routes(table: list[dict], paths: tuple[str, ...]) -> list[dict]:
-    """Every route to a pool with its match narrowed to `paths` (`edge_match`); a route that
-    covers none of them is left out."""
-    out = []
-    for r in table:
-        match = edge_match(r["match"], paths)
-        if match is not None:
-            out.append(dict(r, match=match))
-    return out
+    """Every route to a pool with its match narrowed to `paths` (`edge_match`): one route per
+    narrowed match, under the route's name (Istio gives one HTTPRoute all of them as its
+    matches); a route that covers none of them is left out."""
+    return [dict(r, match=match) for r in table for match in edge_match(r["match"], paths)]
 
 
 def not_found_route(m: MeshListener) -> dict:

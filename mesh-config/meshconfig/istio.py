@@ -316,7 +316,13 @@ def route_parts(policy: Policy) -> list[dict]:
         out.append((on_pool_header(r), part))
     if uses_native_rules(m) and not any(part["wasm"] for on_pool_header, part in out if not on_pool_header):
         out = [x for x in out if not x[0]]
-    return [part for _, part in out]
+    merged: list[dict] = []
+    for _, part in out:  # a route narrowed to several path patterns: one HTTPRoute, one match each
+        if merged and merged[-1]["http"]["name"] == part["http"]["name"]:
+            merged[-1]["http"]["match"] += part["http"]["match"]
+        else:
+            merged.append(part)
+    return merged
 
 
 def not_found_part() -> dict:

@@ -198,12 +198,46 @@ def test_path_patterns_are_exact_and_fit_envoys_regex_limit():
         assert all(re.fullmatch(rx, p) for p in paths)
         for near in ("/", "/a/", "/abcd", "/bxc", "/v1/", "/v1/chat", "/v1/completion", "/tokenizer", "/detoken"):
             assert (re.fullmatch(rx, near) is not None) == (near in paths), (rx, near)
-    assert edge_match({"prefix": "/v1/chat/"}, EDGE_PATHS) == {"path": "/v1/chat/completions"}
-    assert edge_match({"prefix": "/v2/"}, EDGE_PATHS) is None
-    assert edge_match({"path": "/v1/hint"}, EDGE_PATHS) is None
-    assert edge_match({"path": "/tokenize", "headers": [GRPC_CONTENT_TYPE]}, EDGE_PATHS) is None
+    assert edge_match({"prefix": "/v1/chat/"}, EDGE_PATHS) == [{"path": "/v1/chat/completions"}]
+    assert edge_match({"prefix": "/v2/"}, EDGE_PATHS) == []
+    assert edge_match({"path": "/v1/hint"}, EDGE_PATHS) == []
+    assert edge_match({"path": "/tokenize", "headers": [GRPC_CONTENT_TYPE]}, EDGE_PATHS) == []
     wider = EDGE_PATHS + ("/v1/hint",)
-    assert edge_match({"path": "/v1/hint"}, wider) == {"path": "/v1/hint"}
+    assert edge_match({"path": "/v1/hint"}, wider) == [{"path": "/v1/hint"}]
+    # A longer list is split over several patterns, each short enough, together exactly the list.
+    many = EDGE_PATHS + ("/v1/hint", "/v2/anything", "/v3/after", "/v1/embeddings", "/v1/audio/transcriptions")
+    parts = edge_match({"prefix": "/", "headers": [{"name": "x-a", "present_match": True}]}, many)
+    assert len(parts) > 1 and all(p["headers"] == [{"name": "x-a", "present_match": True}] for p in parts)
+    http = [p for p in many if not is_grpc_method(p)]
+    for probe in http + NOT_SERVED:
+        bare = probe.split("?")[0]
+        hits = [p for p in parts if p.get("path") == bare or ("safe_regex" in p and re.fullmatch(p["safe_regex"]["regex"], bare))]
+        assert len(hits) == (1 if bare in http else 0), probe
+    assert all(len(p["safe_regex"]["regex"]) <= 100 for p in parts if "safe_regex" in p)
+
+
+def test_a_wider_edge_is_split_over_routes_envoy_and_istio_accept(tmp_path):
+    """Paths beyond the serving API (a test's echo upstreams, a future endpoint): a catch-all
+    narrowed to more paths than one pattern holds becomes several routes of one name in plain
+    Envoy (validated by the real Envoy) and one HTTPRoute with a match per pattern in Istio."""
+    import subprocess
+
+    from infermesh import paths
+    from infermesh.meshconfig.envoy_bootstrap import bootstrap
+
+    wide = EDGE_PATHS + ("/v1/hint", "/v2/anything", "/v3/after", "/v1/embeddings", "/v1/audio/transcriptions")
+    m = dataclasses.replace(plans()["native-rules"].listener(paths.filter_wasm()), edge_paths=wide)
+    b = bootstrap(m)
+    routes = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["name"] for r in routes].count("default-pool") == 2
+    for path in wide:
+        headers = {"content-type": "application/grpc" if is_grpc_method(path) else "application/json"}
+        assert first(routes, "POST", path, headers)["name"] != NOT_FOUND_ROUTE, path
+    path = tmp_path / "envoy.json"
+    path.write_text(json.dumps(b))
+    r = subprocess.run([str(paths.envoy_binary()), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
 
 def test_the_serving_paths_are_what_the_sidecar_serves_to_clients():
