@@ -30,7 +30,7 @@ from route_tables import Outcome, Request, envoy_outcome, filter_head_decision, 
 
 from infermesh.meshconfig import chart_values, istio
 from infermesh.meshconfig.envoy_bootstrap import bootstrap
-from infermesh.meshconfig.envoy_resources import EDGE_PATHS, STRIP_CLIENT_HEADERS, WASM_FILTER, Routing
+from infermesh.meshconfig.envoy_resources import EDGE_PATHS, STRIP_CLIENT_HEADERS, WASM_FILTER, Routing, is_grpc_method
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.policy import LOCAL_POLICY, Policy, load_policy, parse_policy
 from infermesh.sidecar.grpc_api import INFERENCE_SERVICE
@@ -576,7 +576,10 @@ def test_the_charts_routes_decide_every_request_as_the_plain_envoy_routes(helm, 
     for req in _request_matrix():
         outcome = both(req)
         # Only the serving API reaches a pool, whatever the headers say; the rest is the edge's 404.
-        assert outcome.not_found == (req.path.split("?")[0] not in EDGE_PATHS), (req, outcome)
+        # A gRPC method only for a gRPC call; an HTTP path for any (the HTTP front takes it).
+        path, grpc_call = req.path.split("?")[0], (req.header("content-type") or "").startswith("application/grpc")
+        public = path in EDGE_PATHS and (grpc_call or not is_grpc_method(path))
+        assert outcome.not_found == (not public), (req, outcome)
         if outcome.not_found:
             assert both(req.stripped().with_header("x-infermesh-pool", policy.default_pool), arriving=False).not_found
             continue
