@@ -87,3 +87,27 @@ def test_straight_to_the_sidecar_the_message_field_is_ignored_too(local_mesh):
     assert final.served_by == "interactive/0"
     assert delta(before, after) == {("", "OK"): 1}
     assert MADE_UP not in text
+
+
+DEEP_OBJECT = '{"type": "object", "properties": {"a": ' * 60 + '{"type": "integer"}' + "}}" * 60
+SCHEMAS = [
+    "[" * 5000 + "]" * 5000, '{"a":' * 300 + "1" + "}" * 300, '"\\ud800"', '{"type": "string", "enum": ["\\udfff"]}',
+    '{"\\ud83d": {"type": "string"}}', '{"type": 5}', '{"type": "nope"}', '{"properties": []}', '{"properties": {"a": 5}}',
+    '{"type": "string", "pattern": "("}', '{"type": "integer", "minimum": "x"}', '{"$ref": "#/nowhere"}', '{"anyOf": 5}',
+    '{"type": "array", "items": 5}', '{"type": "integer", "minimum": 1e400}', "NaN", "5", "[]", DEEP_OBJECT,
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
+def test_a_json_schema_of_any_shape_is_served_or_refused_naming_the_field_never_internal(local_mesh, schema):
+    """On real vLLM and its structured-output backend (xgrammar), through the mesh."""
+    with grpc.insecure_channel(f"127.0.0.1:{local_mesh.plan.listen_port}") as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        try:
+            final = final_of(stub, pb.GenerateRequest(chat=PROMPT, max_tokens=6, temperature=0,
+                                                      structured_output=pb.StructuredOutput(json_schema=schema)))
+            assert final.served_by == "interactive/0"
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+            assert e.details().startswith("structured_output"), e.details()
+        assert final_of(stub, pb.GenerateRequest(chat=PROMPT, max_tokens=2)).served_by == "interactive/0"

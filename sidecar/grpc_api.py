@@ -128,7 +128,7 @@ def grpc_message(e: SidecarError) -> str:
     message = e.message
     if name in PROTO_FIELD and re.match(rf"{re.escape(name)}\b", message):  # "structured_outputs.regex must …"
         message = PROTO_FIELD[name] + message[len(name):]
-    return message if message.startswith(field) else f"{field}: {message}"
+    return message if re.match(rf"{re.escape(field)}[ :]", message) else f"{field}: {message}"
 
 
 def token_chunk(ev: TokenDelta) -> pb.TokenChunk:
