@@ -520,6 +520,8 @@ class Policy(Strict):
             "admin": {"host": "127.0.0.1", "port": admin_port, "grpc_port": admin_grpc_port},
             "classes": classes,
             "default_class": self.default_class,
+            # Metric labels name only these pools (anything else a header says is `other`).
+            "mesh_pools": sorted(self.pools),
             "breakers": {n: b.model_dump() for n, b in p.breakers.items()},
             "standby": p.standby,
             "monitor": p.monitor.model_dump(),
