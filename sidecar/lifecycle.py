@@ -19,10 +19,10 @@ Between admission and vLLM the request waits for one of its model's engine slots
 refused there (429 `ttft_target_unreachable`, Retry-After), and vLLM never sees it.
 
 On the HTTP front the class's target is also the request's TTFT limit when the mesh sent none
-(`x-infermesh-ttft-give-up-ms`): the front's own timer answers it, with Retry-After, streamed or
-not (vLLM's serving layer, between the front and the engine client, would turn an error raised in
-the wait into a stream's error chunk without one). A request refused while it waited is held until
-then; a stream that reached vLLM without a first token by then gets 503 `ttft_target_missed` and
+(`x-infermesh-ttft-give-up-ms`): the front's own timer answers a stream refused while it waited,
+with Retry-After (vLLM's serving layer, between the front and the engine client, would turn an
+error raised in the wait into a stream's error chunk without one), so such a stream is held until
+then; a non-streamed request's refusal passes through vLLM's layer and is answered at once; a stream that reached vLLM without a first token by then gets 503 `ttft_target_missed` and
 is aborted there; a non-streamed one, once in vLLM, runs to its end (watching its first token
 would take vLLM's cumulative outputs, a cost on every step).
 """
@@ -267,9 +267,9 @@ class RequestLifecycle:
         try:
             await self._slot()
         except TargetUnreachable as e:
-            if self.req.ttft_give_up_s is not None:
-                await asyncio.Future()  # held, never submitted: the front's timer answers it (gave_up)
-            raise http_refusal(e) from None
+            if self.req.ttft_give_up_s is not None and delta:
+                await asyncio.Future()  # a stream, held, never submitted: the front's timer answers it (gave_up)
+            raise http_refusal(e) from None  # non-streamed: vLLM's layer passes it to the front, answered at once
         self._vllm_ids.add(vllm_request_id)
         counted: dict[int, int] = {}  # tokens of each choice so far (cumulative outputs)
         prompt_counted = False

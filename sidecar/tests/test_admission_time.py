@@ -269,3 +269,39 @@ def test_http_stream_refused_while_waiting_gets_429_retry_after_and_never_reache
     assert slots.waiting == [] and slots.busy == 0 and pool.inflight == 0
     t = next(t for t, m in sent if m["type"] == "http.response.start")
     assert 0.3 <= t < 1.0, "answered at its 300 ms target, not when the slot freed at 1 s"
+
+
+def test_http_non_streamed_refused_while_waiting_is_answered_at_the_decision(make_vllm_pool):
+    import json
+
+    from infermesh.sidecar.config import SidecarConfig
+    from infermesh.sidecar.http_api import build_app
+    from sidecar.tests.test_headers_at_first_token import _asgi, _hold_first_token
+
+    cfg = SidecarConfig.model_validate({
+        "pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "max_num_seqs": 1}],
+        "classes": {"interactive": {"priority": 0, "ttft_target_ms": 600}, "batch": {"priority": 10, "sheddable": True}}})
+    pool = make_vllm_pool(cfg)
+    llm = pool.primary.engine
+    opened = _hold_first_token(llm)
+    app = build_app(pool)
+    slots = pool.admission.slots["m-large"]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+
+    async def run():
+        holder = asyncio.create_task(_asgi(app, json.dumps(chat | {"stream": True}).encode(), None, opened, open_after=1.5))
+        while slots.busy == 0:
+            await asyncio.sleep(0.01)
+        slots.measured_hold(0.15)  # admitted: 0.15 s to the slot + 0.4 s to a first token, within 600 ms
+        slots.measured_first_token(0.4)  # at 0.2 s it can no longer start in time: refused then
+        sent = await _asgi(app, json.dumps(chat).encode(), None, headers=[(b"x-infermesh-class", b"interactive")])
+        await holder
+        return sent
+
+    sent = asyncio.run(run())
+    t, start = next((t, m) for t, m in sent if m["type"] == "http.response.start")
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    err = json.loads(b"".join(m.get("body", b"") for _, m in sent if m["type"] == "http.response.body"))["error"]
+    assert start["status"] == 429 and int(headers["retry-after"]) >= 1 and err["code"] == "ttft_target_unreachable"
+    assert 0.2 <= t < 0.6, "answered when refused (0.2 s), before its 600 ms target"
+    assert len(llm.requests) == 1 and slots.refused_waiting == 1 and pool.inflight == 0
