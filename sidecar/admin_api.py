@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .breakers import Signal
+from .errors import BadRequest
 from .faults import STALL
+from . import internal_errors
 from .pool import Pool
+from .requests import json_body
 
 SIGNALS = set(Signal.__args__)  # type: ignore[attr-defined]
 
@@ -32,8 +36,11 @@ def build_admin_app(pool: Pool) -> FastAPI:
     app = FastAPI(title="infermesh sidecar admin", docs_url=None, redoc_url=None, openapi_url=None)
     allow = pool.config.admin.allow_faults
 
-    def err(status: int, msg: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": msg, "type": "invalid_request_error"}}, status_code=status)
+    internal_errors.install(app, pool.metrics.registry, "admin")
+
+    def err(status: int, msg: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse({"error": {"message": msg, "type": "invalid_request_error", "param": param, "code": status}},
+                            status_code=status)
 
     @app.get("/admin/state")
     async def state():
@@ -62,17 +69,30 @@ def build_admin_app(pool: Pool) -> FastAPI:
         if signal not in SIGNALS and signal != STALL:
             return err(404, f"unknown fault {signal!r}; one of {sorted(SIGNALS | {STALL})}")
         try:
-            body = json.loads(await request.body())
-            value = float(body["value"])
-            duration = float(body.get("duration_s", 60))
-            period = float(body.get("period_s", 1.0))
-        except (ValueError, KeyError, TypeError) as e:
-            return err(400, f'body must be {{"value": number, "duration_s": number}}: {e}')
-        if not (0 <= value <= 1e6) or not (0 < duration <= 3600):
-            return err(400, "value must be in [0, 1e6] and duration_s in (0, 3600]")
+            body = json_body(await request.body())
+        except BadRequest as e:
+            return err(400, e.message, e.param)
+        if not isinstance(body, dict):
+            return err(400, 'body must be an object: {"value": number, "duration_s": number}', "body")
+        if "value" not in body:
+            return err(400, "`value` is required", "value")
+        numbers = {}
+        for name, default in (("value", None), ("duration_s", 60.0), ("period_s", 1.0)):
+            v = body.get(name, default)
+            # JSON numbers only (bool is an int in Python; a string is not a number).
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                return err(400, f"`{name}` must be a finite number, got {json.dumps(v)[:40]}", name)
+            numbers[name] = float(v)
+        value, duration, period = numbers["value"], numbers["duration_s"], numbers["period_s"]
+        if not (0 <= value <= 1e6):
+            return err(400, "`value` must be in [0, 1e6]", "value")
+        if not (0 < duration <= 3600):
+            return err(400, "`duration_s` must be in (0, 3600]", "duration_s")
         if signal == STALL:
-            if not (0 < value <= 0.95) or not (0.05 <= period <= 10):
-                return err(400, "stall: value (the stopped fraction) must be in (0, 0.95] and period_s in [0.05, 10]")
+            if not (0 < value <= 0.95):
+                return err(400, "stall: `value` (the stopped fraction) must be in (0, 0.95]", "value")
+            if not (0.05 <= period <= 10):
+                return err(400, "stall: `period_s` must be in [0.05, 10]", "period_s")
             if not pool.primary.pids:
                 return err(409, "the primary model's engine processes are not known (not loaded yet?)")
             return {"signal": signal, **pool.faults.start_stall(pool.primary.pids, value, duration, period)}

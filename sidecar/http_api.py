@@ -293,16 +293,9 @@ def _infermesh_usage(pool: Pool, life: RequestLifecycle) -> dict:
             "served_by": pool.config.served_by}
 
 
-def install_last_resort(app: FastAPI, registry, front: str) -> None:
-    """internal_errors.LastResort around the routes, and the same answer as the app's handler of
-    last resort (Starlette's outermost middleware), for anything raised outside them."""
-
-    async def last_resort(request: Request, exc: Exception) -> JSONResponse:
-        err = internal_errors.report(registry, front, internal_errors.api_of(request.url.path), exc, path=request.url.path)
-        return _error_response(err)
-
-    app.add_middleware(internal_errors.LastResort, registry=registry, front=front)
-    app.add_exception_handler(Exception, last_resort)
+def _int_field(req: Any, name: str) -> int | None:
+    value = getattr(req, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class Api:
@@ -351,7 +344,7 @@ def build_app(pool: Pool) -> FastAPI:
     apis: dict[str, Api] = _apis()
     app = FastAPI(title="infermesh sidecar", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
-    install_last_resort(app, metrics.registry, Front.HTTP.value)
+    internal_errors.install(app, metrics.registry, Front.HTTP.value)
 
     @app.get("/health")
     async def health() -> Response:
@@ -419,12 +412,15 @@ def build_app(pool: Pool) -> FastAPI:
         if isinstance(req, Response):
             pool.refuse(Front.HTTP, api.name, request_class, BadRequest("invalid request"))
             return req
-        n = getattr(req, "n", None) or 1
+        # Read as vLLM's model has them: an API without the field keeps a client's extra one as
+        # it came (`n: [true]` on /v1/responses), which means nothing to vLLM and nothing here.
+        n = _int_field(req, "n") or 1
         if n > cfg.server.max_n:  # the pool's own limit (server.max_n), beyond vLLM's checks
             e = BadRequest(f"`n` must be at most {cfg.server.max_n} on this pool", param="n")
             pool.refuse(Front.HTTP, api.name, request_class, e)
             return _error_response(e)
-        ticket = GenerationRequest(model=getattr(req, "model", None), n=n, request_class=request_class)
+        model = getattr(req, "model", None)
+        ticket = GenerationRequest(model=model if isinstance(model, str) else None, n=n, request_class=request_class)
         ticket.ttft_give_up_s = ttft_give_up_s(request.headers.get(TTFT_GIVE_UP_HEADER))
         life = pool.lifecycle(ticket, Front.HTTP, api.name)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import weakref
+from http import HTTPStatus
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
@@ -51,8 +52,10 @@ def report(registry: CollectorRegistry, front: str, api: str, exc: BaseException
 
 
 def api_of(path: str) -> str:
-    """The API label of a request path: the route's last part (chat/completions -> completions is
-    ambiguous, so the known paths are named)."""
+    """The API label of a request path (known paths only: the label set stays bounded)."""
+    if path.startswith("/admin/"):
+        part = path.split("/")[2]
+        return part if part in ("state", "events", "faults") else "other"
     return _APIS.get(path, "other")
 
 
@@ -102,3 +105,23 @@ class LastResort:
                     await send({"type": "http.response.body", "body": tail})
             except Exception:  # the client is gone as well: nothing left to tell it
                 pass
+
+
+def install(app, registry: CollectorRegistry, front: str) -> None:
+    """LastResort around an app's routes, and the same answer from the app's handler of last
+    resort (Starlette's outermost middleware) for anything raised outside them."""
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    async def last_resort(request, exc: Exception) -> JSONResponse:
+        err = report(registry, front, api_of(request.url.path), exc, path=request.url.path)
+        return JSONResponse(err.openai_body(), status_code=500)
+
+    async def http_error(request, exc) -> JSONResponse:  # 404, 405: in the error form of every other answer (vLLM's)
+        status = HTTPStatus(exc.status_code)
+        return JSONResponse({"error": {"message": str(exc.detail), "type": status.phrase, "param": None, "code": status.value}},
+                            status_code=status.value, headers=getattr(exc, "headers", None))
+
+    app.add_middleware(LastResort, registry=registry, front=front)
+    app.add_exception_handler(Exception, last_resort)
+    app.add_exception_handler(StarletteHTTPException, http_error)

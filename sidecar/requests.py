@@ -141,7 +141,8 @@ def json_body(body: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 
 def _path(parts: tuple) -> str:
-    return ".".join(["body", *(str(p) for p in parts)])
+    """`body.a.0.b`; a key that is not text (a lone surrogate) shown escaped, so the answer can be written."""
+    return ".".join(["body", *(str(p).encode("utf-8", "backslashreplace").decode() for p in parts)])
 
 
 def _too_deep(data: Any, max_depth: int) -> str | None:
@@ -175,7 +176,7 @@ def _surrogate_at(data: Any) -> str:
         elif isinstance(node, dict):
             for k, v in node.items():
                 if _has_surrogate(k):
-                    return _path((*parts, k.encode("utf-8", "backslashreplace").decode()))
+                    return _path((*parts, k))
                 stack.append((v, (*parts, k)))
         elif isinstance(node, list):
             stack.extend((v, (*parts, i)) for i, v in enumerate(node))

@@ -149,6 +149,10 @@ class FakeVllmAsyncLLM(FakeAsyncLLM):
         from vllm.outputs import CompletionOutput, RequestOutput
         from vllm.sampling_params import RequestOutputKind
 
+        limit = self.model_config.max_logprobs  # vLLM's engine checks it as it takes the request
+        for asked in (params.logprobs, params.prompt_logprobs):
+            if asked is not None and asked > limit:
+                raise ValueError(f"Requested {asked} logprobs, which is more than the maximum {limit}")
         self.priorities.append(priority)
         self.requests.append((request_id, params, priority))
         self.unfinished.add(request_id)
@@ -167,15 +171,35 @@ class FakeVllmAsyncLLM(FakeAsyncLLM):
                     made[i].append(tid)
                     ids = [tid] if params.output_kind == RequestOutputKind.DELTA else list(made[i])
                     outs.append(CompletionOutput(index=i, text=tok.decode(ids), token_ids=ids, cumulative_logprob=None,
-                                                 logprobs=None, finish_reason=reason))
+                                                 logprobs=self._logprobs(ids, params.logprobs), finish_reason=reason))
                 if last:
                     self.unfinished.discard(request_id)
                 if params.output_kind != RequestOutputKind.FINAL_ONLY or last:
-                    yield RequestOutput(request_id, None, prompt_ids, None, outs, last)
+                    prompt_logprobs = None
+                    if params.prompt_logprobs is not None:
+                        prompt_logprobs = [None, *self._logprobs(prompt_ids[1:], params.prompt_logprobs)]
+                    yield RequestOutput(request_id, None, prompt_ids, prompt_logprobs, outs, last)
                 if step == 0 and self.gate is not None:
                     await self.gate.wait()
         finally:
             self.unfinished.discard(request_id)
+
+
+    def _logprobs(self, ids: list[int], top: int | None):
+        """Made-up log probabilities in vLLM's form when the request asked for them (vLLM's layer
+        asserts they are there): each token first, then `top` others."""
+        from vllm.logprobs import Logprob
+
+        if top is None:
+            return None
+        top = max(0, top if top >= 0 else 2)
+        decode = self.renderer.tokenizer.decode
+        out = []
+        for tid in ids:
+            position = {tid: Logprob(-0.5, 1, decode([tid]))}
+            position.update({o: Logprob(-2.0 - o, o + 2, decode([o])) for o in range(top) if o != tid})
+            out.append(position)
+        return out
 
 
 _VLLM_CONFIG = {}
@@ -189,9 +213,8 @@ def vllm_config_of(name: str = TINY_MODEL):
 
         from infermesh import models
 
-        path = str(models.model_path(name))
-        if not models.is_built(models.LOCAL_MODELS[name]):
-            pytest.skip(f"local model {name} is not built (python -m infermesh.models)")
+        # Built here when missing (a second or so, no download): a contract test never skips.
+        path = str(models.build_model(models.LOCAL_MODELS[name]))
         cfg = AsyncEngineArgs(model=path, served_model_name=[name], max_model_len=1024, enforce_eager=True,
                               kv_cache_memory_bytes=12 << 20).create_engine_config()
         _VLLM_CONFIG[name] = (cfg, renderer_from_config(cfg), path)

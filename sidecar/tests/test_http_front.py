@@ -9,12 +9,11 @@ import json
 
 import httpx
 import pytest
+import vllm  # noqa: F401  a hard dependency: a vLLM that is missing or moved fails here, never skips
 from fastapi.testclient import TestClient
 
 from infermesh.sidecar.config import SidecarConfig
 from infermesh.sidecar.http_api import build_app
-
-pytest.importorskip("vllm")
 
 CONFIG = SidecarConfig.model_validate(
     {"pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "aliases": ["m"]},
