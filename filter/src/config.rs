@@ -412,8 +412,11 @@ fn string_match(field: &str, raw: RawStringMatch, regex_limit: usize) -> Result<
                 .build()
                 .map(StringMatch::Regex)
                 .map_err(|e| {
-                    let shared = if regex_limit < REGEX_SIZE_LIMIT { " (the config's regexes share 16 MiB of compiled size)" } else { "" };
-                    err(format!("{field}.regex"), format!("invalid regex: {e}{shared}"))
+                    let mut refused = err(format!("{field}.regex"), format!("invalid regex: {e}"));
+                    if regex_limit < REGEX_SIZE_LIMIT {
+                        refused.message.push_str(" (the config's regexes share 16 MiB of compiled size)");
+                    }
+                    refused
                 })
         }
         _ => Err(err(field, "exactly one of `exact`, `prefix`, `regex` is required")),
@@ -444,8 +447,9 @@ fn check_range(field: &str, r: Range) -> Result<Range, ConfigError> {
 impl FilterConfig {
     /// Parse and validate the plugin configuration bytes.
     pub fn parse(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
-        // serde_json names the unknown or missing field and the position; keep its message.
-        let raw: RawConfig = serde_json::from_slice(bytes).map_err(|e| err("$", e.to_string()))?;
+        // serde_json names the unknown or missing field and the position; keep its message and
+        // add the field's path where it can be found.
+        let raw: RawConfig = serde_json::from_slice(bytes).map_err(|e| serde_error(bytes, &e))?;
         if raw.version != CONFIG_VERSION {
             return Err(err(
                 "version",
@@ -592,6 +596,105 @@ impl FilterConfig {
     }
 }
 
+/// serde's refusal (field `$`, its words and position), with ` (at `PATH`)`: a wrong type's
+/// message names no field, and an unknown one only its own name.
+fn serde_error(bytes: &[u8], e: &serde_json::Error) -> ConfigError {
+    let mut refused = err("$", e.to_string());
+    let missing = refused.message.strip_prefix("missing field `").and_then(|r| r.split('`').next()).map(str::to_string);
+    if let Some(path) = path_at(bytes, offset_of(bytes, e.line(), e.column()), missing.as_deref()) {
+        refused.message.push_str(&format!(" (at `{path}`)"));
+    }
+    refused
+}
+
+/// The byte offset of serde_json's (line, column): lines from 1, columns counted in bytes.
+fn offset_of(bytes: &[u8], line: usize, column: usize) -> usize {
+    let mut start = 0;
+    if line > 1 {
+        match bytes.iter().enumerate().filter(|(_, b)| **b == b'\n').nth(line - 2) {
+            Some((i, _)) => start = i + 1,
+            None => return bytes.len(),
+        }
+    }
+    start.saturating_add(column).min(bytes.len())
+}
+
+/// The path of the value being read at byte `end` of `bytes`, found by one pass over the tokens
+/// before it (no tree is built: the cost is the input's); `missing`: the field serde found absent
+/// from the object that closed there. `None` past a depth no config has.
+fn path_at(bytes: &[u8], end: usize, missing: Option<&str>) -> Option<String> {
+    enum Frame {
+        Object(Option<String>),
+        Array(usize, bool),
+    }
+    fn started(stack: &mut [Frame]) {
+        if let Some(Frame::Array(_, started)) = stack.last_mut() {
+            *started = true;
+        }
+    }
+    let mut stack: Vec<Frame> = Vec::new();
+    let mut i = 0;
+    while i < end {
+        match bytes[i] {
+            b'{' | b'[' => {
+                started(&mut stack);
+                if stack.len() >= 256 {
+                    return None;
+                }
+                stack.push(if bytes[i] == b'{' { Frame::Object(None) } else { Frame::Array(0, false) });
+            }
+            b'}' | b']' => {
+                stack.pop();
+            }
+            b',' => match stack.last_mut() {
+                Some(Frame::Array(index, started)) => {
+                    *index += 1;
+                    *started = false;
+                }
+                Some(Frame::Object(key)) => *key = None,
+                None => {}
+            },
+            b'"' => {
+                let from = i + 1;
+                i += 1;
+                while i < end && bytes[i] != b'"' {
+                    i += if bytes[i] == b'\\' { 2 } else { 1 };
+                }
+                match stack.last_mut() {
+                    Some(Frame::Object(key)) if key.is_none() => {
+                        let raw = &bytes[from..i.min(end)];
+                        *key = Some(serde_json::from_slice::<String>(&[b"\"", raw, b"\""].concat()).unwrap_or_else(|_| String::from_utf8_lossy(raw).into_owned()));
+                    }
+                    _ => started(&mut stack),
+                }
+            }
+            b' ' | b'\t' | b'\n' | b'\r' | b':' => {}
+            _ => started(&mut stack),
+        }
+        i += 1;
+    }
+    let mut path = String::new();
+    for f in &stack {
+        match f {
+            Frame::Object(Some(k)) => {
+                if !path.is_empty() {
+                    path.push('.');
+                }
+                path.push_str(k);
+            }
+            Frame::Array(index, true) => path.push_str(&format!("[{index}]")),
+            _ => {}
+        }
+    }
+    if let Some(name) = missing {
+        if !path.is_empty() {
+            path.push('.');
+        }
+        path.push_str(name);
+    }
+    (!path.is_empty()).then_some(path)
+}
+
 /// Apply a configuration update: `current` is replaced only by one that validates, so a rejected
 /// update (the glue then tells Envoy so) leaves the last good configuration serving.
 pub fn reload(current: &mut Option<Rc<FilterConfig>>, bytes: &[u8]) -> Result<Rc<FilterConfig>, ConfigError> {
@@ -720,6 +823,30 @@ mod tests {
         assert!(e.message.contains("max_tokenz"), "{e}");
         assert!(FilterConfig::parse(b"\xff\x00garbage").is_err());
         assert!(FilterConfig::parse(b"").is_err());
+    }
+
+    #[test]
+    fn serde_refusals_name_the_field_path_too() {
+        let e = parse_err(&GOOD.replace("\"version\": 1", "\"version\": \"1\""));
+        assert_eq!(e.field, "$");
+        assert!(e.message.starts_with("invalid type: string \"1\", expected u32 at line "), "{e}");
+        assert!(e.message.ends_with(" (at `version`)"), "{e}");
+        let e = parse_err(&GOOD.replace("\"max_tokens\"", "\"max_tokenz\""));
+        assert!(e.message.ends_with("(at `rules[1].match.body.max_tokenz`)"), "{e}");
+        let e = parse_err(&GOOD.replace("[\"post\"]", "[\"post\", 7]"));
+        assert!(e.message.ends_with("(at `rules[0].match.methods[1]`)"), "{e}");
+        let e = parse_err(&GOOD.replace("\"pool\": \"gpu-a\"", "\"objective\": \"x\""));
+        assert!(e.message.starts_with("missing field `pool`") && e.message.ends_with("(at `classes.interactive.pool`)"), "{e}");
+        let e = parse_err(&GOOD.replace("\"version\": 1,", "\"version\": 1, \"version\": 1,"));
+        assert!(e.message.starts_with("duplicate field `version`") && e.message.ends_with("(at `version`)"), "{e}");
+        let e = parse_err(&GOOD.replace("{\"min\": 1024}", "{\"min\": -5}"));
+        assert!(e.message.ends_with("(at `rules[1].match.body.max_tokens.min`)"), "{e}");
+        let e = parse_err(&GOOD.replace("\"x-tenant\", \"prefix\": \"eval-\"}", "\"x-tenant\", \"prefix\": [\"a,b\\\"]\", 1]}"));
+        assert!(e.message.ends_with("(at `rules[1].match.headers[0].prefix`)"), "{e}");
+        // Not JSON: where it broke.
+        let e = parse_err("{\"version\": 1, \"classes\": {\"b\": {\"pool\" \"p\"}}}");
+        assert!(e.message.starts_with("expected `:`") && e.message.ends_with("(at `classes.b.pool`)"), "{e}");
+        assert!(!parse_err("").message.contains("(at"));
     }
 
     #[test]
