@@ -148,7 +148,7 @@ def _culprit(model: Any, data: Any, limit: int = 64) -> str | None:
         return None
     keys = list(data)[:limit]
     for key in keys:
-        adapter = _field_adapter(model, key) if isinstance(key, str) else None
+        adapter = _field_adapter(model, key) if isinstance(model, type) and isinstance(key, str) else None
         if adapter is None:
             continue
         try:

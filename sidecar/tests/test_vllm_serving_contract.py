@@ -72,3 +72,20 @@ def test_the_gc_freeze_the_server_shares_with_vllms_own():
         assert gc.get_freeze_count() > before
     finally:
         gc.unfreeze()
+
+
+def test_what_the_fronts_hardening_relies_on():
+    """http_api's error answers: vLLM's error response with a param, its error classes (a VLLMError
+    is vLLM's own answer, never re-mapped), and which raw exceptions its handlers send to 500, the
+    ones the front turns into 400s when they come from preparing a request."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.exceptions import VLLMError, VLLMValidationError
+    from vllm.renderers.base import BaseRenderer
+
+    err = create_error_response("bad", param="body.x").error
+    assert (err.code, err.param, err.type) == (400, "body.x", "BadRequestError")
+    assert issubclass(VLLMValidationError, VLLMError) and create_error_response(VLLMValidationError("x", parameter="n")).error.param == "n"
+    for raw in (AttributeError("x"), KeyError("x"), IndexError("x")):
+        assert create_error_response(raw).error.code == 500, f"vLLM now answers {type(raw).__name__} itself: re-check _exception_answer"
+    # Tokenizing off the event loop is vLLM's renderer's (test_state_during_large_prompt.py measures it).
+    assert "_tokenize_prompt" in inspect.getsource(BaseRenderer.__init__) and "make_async" in inspect.getsource(BaseRenderer.__init__)
