@@ -17,6 +17,7 @@ from http import HTTPStatus
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
+from starlette.requests import ClientDisconnect
 
 from .errors import SidecarError
 
@@ -91,6 +92,8 @@ class LastResort:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:  # the client left while its body was read: no one to answer, no bug
+            return
         except Exception as exc:  # the last resort: everything else has its own answer before this
             err = report(self.registry, self.front, self.api(scope.get("path", "")), exc,
                          method=scope.get("method"), path=scope.get("path"))

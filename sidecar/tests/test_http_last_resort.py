@@ -86,3 +86,29 @@ def test_the_admin_api_has_the_same_last_resort(make_vllm_pool, monkeypatch):
     assert counted(pool, "admin", "state") == 1
     r = client.get("/admin/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+
+
+def test_a_client_that_leaves_mid_body_is_not_an_internal_error(client):
+    """Starlette raises ClientDisconnect from the body stream: the client's going, not a bug."""
+    import asyncio
+
+    app = client.app
+    sent = []
+
+    async def go():
+        messages = iter([{"type": "http.request", "body": b'{"model": "m-large", ', "more_body": True}, {"type": "http.disconnect"}])
+
+        async def receive():
+            return next(messages)
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+                 "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "root_path": ""}
+        await app(scope, receive, send)
+
+    asyncio.run(go())
+    assert counted(client.pool, "http", "chat") is None
+    assert client.pool.inflight == 0
