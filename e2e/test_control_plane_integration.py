@@ -232,6 +232,14 @@ def prometheus(admin: int) -> str:
         return r.read().decode()
 
 
+def listener_updates(admin: int) -> dict[str, int]:
+    """Envoy's counts of listeners replaced, in place (filter chains) or whole, and of filter chains drained."""
+    names = ("listener_manager.listener_modified", "listener_manager.listener_in_place_updated", "listener_manager.total_filter_chains_draining")
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=^listener_manager\\.", timeout=5) as r:
+        stats = dict(line.split(": ", 1) for line in r.read().decode().splitlines() if ": " in line)
+    return {n: int(stats[n]) for n in names}
+
+
 def chats_counted(admin: int, namespace: str) -> int:
     """The filter's count of chats it sent to interactive, in one runtime's stats namespace."""
     name = f"{namespace}.infermesh.requests_total.class.interactive.pool.interactive.rule.chat"
@@ -241,14 +249,16 @@ def chats_counted(admin: int, namespace: str) -> int:
 
 
 def test_the_filter_runtime_switches_between_wasm_and_the_native_module_live(native_module, tmp_path, upstreams):
-    """`filter.runtime: native` edited into a served policy: Envoy takes the listener with the
-    dynamic module in the Wasm filter's place and goes on deciding the same way, no request lost;
-    its counters carry the same Prometheus names and tags; and back."""
+    """`filter.runtime: native` edited into a served policy: the filter's config (ECDS) names the
+    dynamic module in the Wasm filter's place, the listener stays as it is (nothing drains, so
+    nothing in flight is cut), Envoy goes on deciding the same way, no request fails; its
+    counters carry the same Prometheus names and tags; and back."""
     h = Harness(tmp_path, upstreams, policy=BODY_POLICY)
     series = 'infermesh_requests_total{class="interactive",pool="interactive",rule="chat"}'
     try:
         assert h.wait_serving()["upstream"] == "interactive"
         assert chats_counted(h.admin, "wasmcustom") > 0 and series in prometheus(h.admin)
+        listeners = listener_updates(h.admin)
         with Traffic(h.base) as traffic:
             for policy, namespace in ((BODY_POLICY + "filter:\n  runtime: native\n", "dynamicmodulescustom"), (BODY_POLICY, "wasmcustom")):
                 before = chats_counted(h.admin, namespace)
@@ -261,11 +271,12 @@ def test_the_filter_runtime_switches_between_wasm_and_the_native_module_live(nat
                                              headers={"content-type": "application/json"})
                 with urllib.request.urlopen(big, timeout=5) as r:
                     assert json.loads(r.read())["upstream"] == "batch", "the body rule, decided by the filter in either runtime"
-                # One series per labels once the replaced listener has drained (both runtimes'
-                # counters are `infermesh_*` in /stats/prometheus: for the drain time there are two).
+                # One series per labels once the replaced filter config is released (both runtimes'
+                # counters are `infermesh_*` in /stats/prometheus: while both live there are two).
                 wait_until(lambda: len([x for x in prometheus(h.admin).splitlines() if x.startswith(series + " ")]) == 1, 10,
-                           every=0.2, what="the replaced listener's counters to go")
+                           every=0.2, what="the replaced filter config's counters to go")
                 assert 'infermesh_requests_total{class="batch",pool="batch",rule="bulk"}' in prometheus(h.admin)
+        assert listener_updates(h.admin) == listeners, "a filter change replaced the listener (its drain cuts what is in flight)"
     finally:
         h.stop()
     assert not traffic.failures, traffic.failures[:5]

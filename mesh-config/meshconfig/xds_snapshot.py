@@ -19,6 +19,7 @@ from google.protobuf import json_format
 # The typed configs inside listeners/clusters must be known to the descriptor pool before
 # json_format can pack them into Any.
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import extension_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
@@ -33,6 +34,7 @@ from envoy.extensions.retry.priority.previous_priorities.v3 import previous_prio
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 
 from .envoy_resources import (
+    ADS_SOURCE,
     MeshListener,
     PoolEndpoint,
     Routing,
@@ -55,14 +57,41 @@ LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-# Clusters, their endpoints, listeners, routes: nothing may point at what Envoy does not have yet.
-PUSH_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
-# Listeners and clusters are asked for by wildcard; endpoints and routes by name.
-NAMED_TYPES = frozenset({ENDPOINT_TYPE, ROUTE_TYPE})
+FILTER_TYPE = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"
+# Clusters, their endpoints, the filter's config (ECDS), listeners, routes: nothing may point at
+# what Envoy does not have yet.
+PUSH_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, FILTER_TYPE, LISTENER_TYPE, ROUTE_TYPE)
+# Listeners and clusters are asked for by wildcard; endpoints, the filter's config and routes by name.
+NAMED_TYPES = frozenset({ENDPOINT_TYPE, FILTER_TYPE, ROUTE_TYPE})
+
+# The infermesh filter's name in the listener, in either runtime: its config (Wasm or the native
+# module, the policy's rules) comes over ECDS, so a filter change never replaces the listener.
+# A replaced listener drains and then cuts what is still in flight on its connections, and Envoy
+# times that drain from before the new filter chain was built (a Wasm compile of seconds).
+FILTER_EXTENSION = "infermesh.filter"
+FILTER_TYPE_URLS = [
+    "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+    "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+]
 
 
 class InconsistentSnapshot(ValueError):
     """A snapshot that points at a resource it does not hold; the message names both."""
+
+
+def discovered_filter(hcm: dict, routes: dict, filter_name: str) -> tuple[dict, dict, dict]:
+    """The HCM and route table with the infermesh filter (named `filter_name`) fetched over ECDS
+    as FILTER_EXTENSION, and that ECDS resource: (hcm, routes, TypedExtensionConfig)."""
+    hcm, routes = copy.deepcopy(hcm), copy.deepcopy(routes)
+    [i] = [i for i, f in enumerate(hcm["http_filters"]) if f["name"] == filter_name]
+    ecds = {"name": FILTER_EXTENSION, "typed_config": hcm["http_filters"][i]["typed_config"]}
+    hcm["http_filters"][i] = {"name": FILTER_EXTENSION, "config_discovery": {"config_source": ADS_SOURCE, "type_urls": FILTER_TYPE_URLS}}
+    for vh in routes.get("virtual_hosts", []):
+        for r in vh.get("routes", []):
+            per = r.get("typed_per_filter_config", {})
+            if filter_name in per:
+                per[FILTER_EXTENSION] = per.pop(filter_name)
+    return hcm, routes, ecds
 
 
 def resource_name(m) -> str:
@@ -84,7 +113,7 @@ class Snapshot:
     def check(self) -> "Snapshot":
         """Raise InconsistentSnapshot unless every reference resolves inside the snapshot: each
         route's cluster exists, each EDS cluster has its endpoints, each endpoint set a cluster,
-        each listener's RDS name a route table, and no name is used twice."""
+        each listener's RDS name a route table, each discovered filter its config (ECDS), and no name is used twice."""
         names = {}
         for t in PUSH_ORDER:
             got = [resource_name(m) for m in self.resources.get(t, [])]
@@ -111,6 +140,9 @@ class Snapshot:
                     hcm = http_connection_manager_pb2.HttpConnectionManager()
                     if f.typed_config.Unpack(hcm) and hcm.HasField("rds") and hcm.rds.route_config_name not in names[ROUTE_TYPE]:
                         raise InconsistentSnapshot(f"listener {lst.name} asks for the unknown route table {hcm.rds.route_config_name!r}")
+                    for hf in hcm.http_filters if f.typed_config.Unpack(hcm) else ():
+                        if hf.HasField("config_discovery") and hf.name not in names[FILTER_TYPE]:
+                            raise InconsistentSnapshot(f"listener {lst.name} asks for the unknown filter config {hf.name!r}")
         return self
 
 
@@ -166,16 +198,18 @@ def build_snapshot(policy: Policy, target: MeshTarget) -> Snapshot:
         # parts hand out shared constants, which would come back reordered for every later user.
         return json_format.ParseDict(copy.deepcopy(d), msg)
 
+    hcm, routes, ecds = discovered_filter(http_connection_manager(m, rds_routes()), route_config(m), m.filter_name)
     resources = {
         CLUSTER_TYPE: [parse(c, cluster_pb2.Cluster()) for c in [*(cluster(m, p, grpc, eds=True) for p, grpc in pool_clusters(m)),
                                                                     *state_clusters(m, eds=True)]],
         ENDPOINT_TYPE: [parse(e, endpoint_pb2.ClusterLoadAssignment()) for e in [*(load_assignment(m, p.pool, grpc) for p, grpc in pool_clusters(m)),
                                                                                  *(state_load_assignment(m, p) for p in state_cluster_pools(m))]],
-        LISTENER_TYPE: [parse(listener(m, http_connection_manager(m, rds_routes())), listener_pb2.Listener())],
-        ROUTE_TYPE: [parse(route_config(m), route_pb2.RouteConfiguration())],
+        FILTER_TYPE: [parse(ecds, extension_pb2.TypedExtensionConfig())],
+        LISTENER_TYPE: [parse(listener(m, hcm), listener_pb2.Listener())],
+        ROUTE_TYPE: [parse(routes, route_pb2.RouteConfiguration())],
     }
     digest = hashlib.sha256()
-    for t in (LISTENER_TYPE, CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE):
+    for t in (LISTENER_TYPE, CLUSTER_TYPE, ENDPOINT_TYPE, FILTER_TYPE, ROUTE_TYPE):
         for msg in resources[t]:
             digest.update(msg.SerializeToString(deterministic=True))
     return Snapshot(digest.hexdigest()[:12], resources).check()
