@@ -550,6 +550,11 @@ def test_grpc_generate_reaches_the_interactive_grpc_port(gateway):
     assert int(line.removeprefix(stat)) >= 1, line
 
 
+# docs/filter.md, degraded routing: from a sidecar reporting the level to the first request routed
+# on it, <= 1 s under traffic (the probe every 500 ms, a worker's view reused 100 ms).
+SHED_UNDER_TRAFFIC_S = 1.0
+
+
 def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
     """Degraded-mode routing through an Envoy configured by istiod: the chart's policy spills
     interactive to batch and sheds batch while interactive is at level 3. Spill is Envoy's: the
@@ -607,6 +612,16 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
     def hc_failures(cluster: str) -> int:
         return cluster_stat(cluster, "health_check.failure")
 
+    def first_shed(t0: float, bound: float) -> tuple[httpx.Response, float]:
+        """The first completion not served (429 once the filter knows), and when it was sent after
+        t0; completions are sent until one is refused or `bound` has passed."""
+        while True:
+            sent = time.monotonic()
+            r = httpx.post(gateway.base_url + "/v1/completions", json=completion, timeout=30)
+            if r.status_code != 200 or sent - t0 > bound:
+                return r, sent - t0
+            time.sleep(0.02)
+
     def probe_refusals() -> int:
         """The filter's probes answered other than 200 (no healthy host would be Envoy's 503)."""
         lines = httpx.get(f"http://127.0.0.1:{gateway.admin_port}/stats?filter=pool_state_errors_total", timeout=5).text.splitlines()
@@ -644,8 +659,13 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
                 pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hi")]), max_tokens=2, temperature=0),
                 timeout=60)
             assert list(call)[-1].final.served_by == "batch/0"
-        shed = httpx.post(gateway.base_url + "/v1/completions", json=completion, timeout=30)
-        assert shed.status_code == 429 and shed.headers["x-infermesh-shed-by"] == "mesh", shed.text
+        # The shed is the filter's: it learns the level from a response of the pool or, once the
+        # chats are spilled away, from its probe of the state endpoint (every 500 ms, deferred
+        # while a reading is fresh), so it follows within its documented bound (docs/filter.md:
+        # <= 1 s under traffic), not with the spill: a completion sent right after raced the probe.
+        shed, traffic_shed_s = first_shed(t0, SHED_UNDER_TRAFFIC_S)
+        assert shed.status_code == 429 and traffic_shed_s <= SHED_UNDER_TRAFFIC_S, (traffic_shed_s, shed.status_code, shed.text)
+        assert shed.headers["x-infermesh-shed-by"] == "mesh", shed.text
         assert int(shed.headers["retry-after"]) >= 1 and shed.json()["error"]["code"] == "mesh_shedding"
         assert "x-infermesh-pool-level" not in shed.headers
         models = httpx.get(gateway.base_url + "/v1/models", timeout=30)
@@ -658,7 +678,8 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
         wait_for(lambda: httpx.post(gateway.base_url + "/v1/completions", json=completion, timeout=30).status_code == 429,
                  10, every=0.02, what="batch shed for the idle degraded pool")
         idle_s = time.monotonic() - t0
-        print(f"[istiod] level 3 -> first spilled chat under traffic {traffic_s * 1000:.0f} ms (health check: "
+        print(f"[istiod] level 3 -> first spilled chat under traffic {traffic_s * 1000:.0f} ms, first shed completion sent at "
+              f"{traffic_shed_s * 1000:.0f} ms (health check: "
               f"{hc_failures(http_cluster) - failures_before} failures, host failed_active_hc); "
               f"idle pool -> first shed request {idle_s * 1000:.0f} ms (probe through {http_cluster})")
         assert traffic_s <= 1.0 and idle_s <= 2.0, (traffic_s, idle_s)
