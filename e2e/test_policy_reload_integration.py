@@ -121,7 +121,7 @@ def test_a_config_envoy_refuses_is_counted_the_last_acked_is_served_and_a_later_
         assert h.wait_serving()["upstream"] == "interactive"
         with Traffic(h.base) as traffic:
             h.policy.write_text(CHAT["interactive"] + "filter:\n  runtime: native\n")
-            wait_for("Envoy's NACK counted", lambda: h.counted('infermesh_xds_nacks_total{type="Listener"}') >= 1, 10)
+            wait_for("Envoy's NACK counted", lambda: h.counted('infermesh_xds_nacks_total{type="TypedExtensionConfig"}') >= 1, 10)
             wait_for("the last ACKed config served again", lambda: h.counted("infermesh_xds_rollbacks_total") == 1, 5)
             time.sleep(0.5)
             assert post(h.base)["upstream"] == "interactive"

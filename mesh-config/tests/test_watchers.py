@@ -11,12 +11,10 @@ from pathlib import Path
 
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 
-from infermesh.meshconfig.envoy_resources import NATIVE_FILTER
-
 from infermesh.meshconfig.policy import LEVEL_DOWN, LOCAL_POLICY
 from infermesh.meshconfig.watchers import PolicyFileWatcher, PoolWatcher, pool_level
 from infermesh.meshconfig.xds_server import ControlPlane
-from infermesh.meshconfig.xds_snapshot import LISTENER_TYPE, ROUTE_TYPE, MeshTarget
+from infermesh.meshconfig.xds_snapshot import FILTER_EXTENSION, FILTER_TYPE, LISTENER_TYPE, ROUTE_TYPE, MeshTarget
 
 TARGET = MeshTarget("127.0.0.1", 8080, Path("/x.wasm"), {"interactive": ("127.0.0.1", 8101, 8201), "batch": ("127.0.0.1", 8102, 8202)})
 GOOD = LOCAL_POLICY.read_text()
@@ -122,4 +120,6 @@ def test_a_switch_to_the_native_runtime_is_served_only_once_the_module_exists(tm
     assert cp.publish() and cp.version != v1
     hcm = http_connection_manager_pb2.HttpConnectionManager()
     cp.ads.snapshot.resources[LISTENER_TYPE][0].filter_chains[0].filters[0].typed_config.Unpack(hcm)
-    assert [f.name for f in hcm.http_filters] == [NATIVE_FILTER, "envoy.filters.http.router"]
+    # The listener names the filter either way; its config (ECDS) names the runtime.
+    assert [f.name for f in hcm.http_filters] == [FILTER_EXTENSION, "envoy.filters.http.router"]
+    assert cp.ads.snapshot.resources[FILTER_TYPE][0].typed_config.type_url.endswith(".DynamicModuleFilter")
