@@ -186,6 +186,9 @@ class RequestLifecycle:
             why = self.refusal.message if self.refusal is not None else f"waited {limit_ms:.0f} ms for an engine slot, its TTFT limit"
             return QueueRefusal(why, code="ttft_target_unreachable", retry_after_s=self.refusal.retry_after_s if self.refusal else 1)
         if self._target_limit:
+            # Its TTFT is at least this long: the latency breaker (ttft_p95) must see a stalled
+            # engine's requests, which now end here instead of with a late first token.
+            self.pool.window.record_ttft(self.pool.clock() - self._admitted_at)
             return TargetMissed(f"no first token within the {self.admission.request_class} class's {limit_ms:.0f} ms target",
                                 code="ttft_target_missed", retry_after_s=1)
         return DeadlineExceeded(f"no first token within {limit_ms:.0f} ms", code="ttft_deadline_exceeded", retry_after_s=1)

@@ -305,3 +305,24 @@ def test_http_non_streamed_refused_while_waiting_is_answered_at_the_decision(mak
     assert start["status"] == 429 and int(headers["retry-after"]) >= 1 and err["code"] == "ttft_target_unreachable"
     assert 0.2 <= t < 0.6, "answered when refused (0.2 s), before its 600 ms target"
     assert len(llm.requests) == 1 and slots.refused_waiting == 1 and pool.inflight == 0
+
+
+def test_an_http_stream_without_a_first_token_by_its_target_is_503_and_its_wait_is_a_ttft(make_pool, fake_clock):
+    pool = make_pool(CFG, fake_clock)
+
+    async def run():
+        life = pool.lifecycle(req(), Front.HTTP, "chat")
+        life.admit()
+        assert life.req.ttft_give_up_s == 1.0, "the class's target is the request's limit on HTTP"
+        await life._slot()  # a free slot: in vLLM now
+        life._delta = True  # a stream
+        fake_clock.t = 1.0
+        assert not life.first_token_seen
+        err = life.gave_up()
+        await life.close(err)
+        return err
+
+    err = asyncio.run(run())
+    assert (err.http_status, err.code, err.retry_after_s) == (503, "ttft_target_missed", 1)
+    assert [t for _, t in pool.window.ttfts] == [1.0], "the latency breaker's window sees it"
+    assert pool.inflight == 0 and pool.admission.slots["big"].busy == 0
