@@ -47,7 +47,7 @@ class _Uvicorn(uvicorn.Server):
 
 async def run(config: SidecarConfig) -> int:
     setup_logging({"pool": config.pool, "instance_id": config.instance})
-    metrics = SidecarMetrics(config.pool, config.instance)
+    metrics = SidecarMetrics.of(config)
     pool = Pool(config, metrics=metrics)
     log.info("loading models", extra={"ladder": [m.name for m in config.models], "standby": config.standby})
     pool.start()
