@@ -18,8 +18,9 @@ Between admission and vLLM the request waits for one of its model's engine slots
 (admission.EngineSlots); one that can no longer get its first token within its class's target is
 refused there (429 `ttft_target_unreachable`, Retry-After), and vLLM never sees it.
 
-On the HTTP front the class's target is also the request's TTFT limit when the mesh sent none
-(`x-infermesh-ttft-give-up-ms`): the front's own timer answers a stream refused while it waited,
+On the HTTP front the class's target is also the TTFT limit of a request that has to wait in line
+at admission, when the mesh sent none (`x-infermesh-ttft-give-up-ms`; one that gets a slot at
+once has none, and is served however late vLLM is, as before): the front's own timer answers a stream refused while it waited,
 with Retry-After (vLLM's serving layer, between the front and the engine client, would turn an
 error raised in the wait into a stream's error chunk without one), so such a stream is held until
 then; a non-streamed request's refusal passes through vLLM's layer and is answered at once; a stream that reached vLLM without a first token by then gets 503 `ttft_target_missed` and
@@ -154,7 +155,9 @@ class RequestLifecycle:
                 raise
             self._admitted_at = self.pool.clock()
             self.pool.load.on_admitted()
-            if self.front is Front.HTTP and self.req.ttft_give_up_s is None and math.isfinite(self.admission.target_s):
+            w = self.admission.waiter
+            in_line = w is not None and w.started_at is None
+            if self.front is Front.HTTP and in_line and self.req.ttft_give_up_s is None and math.isfinite(self.admission.target_s):
                 self.req.ttft_give_up_s = self.admission.target_s
                 self._target_limit = True
         return self.admission

@@ -309,20 +309,26 @@ def test_http_non_streamed_refused_while_waiting_is_answered_at_the_decision(mak
 
 def test_an_http_stream_without_a_first_token_by_its_target_is_503_and_its_wait_is_a_ttft(make_pool, fake_clock):
     pool = make_pool(CFG, fake_clock)
+    slots = pool.admission.slots["big"]
 
     async def run():
+        holder = pool.lifecycle(req(), Front.HTTP, "chat")
+        holder.admit()
+        assert holder.req.ttft_give_up_s is None, "a slot at once: no limit, served however late vLLM is"
         life = pool.lifecycle(req(), Front.HTTP, "chat")
         life.admit()
-        assert life.req.ttft_give_up_s == 1.0, "the class's target is the request's limit on HTTP"
-        await life._slot()  # a free slot: in vLLM now
+        assert life.req.ttft_give_up_s == 1.0, "in line: the class's target is its limit on HTTP"
+        slots.finish(holder.admission.waiter, ran=False)  # the holder goes: the one in line starts
+        await life._slot()
         life._delta = True  # a stream
         fake_clock.t = 1.0
         assert not life.first_token_seen
         err = life.gave_up()
         await life.close(err)
+        await holder.close()
         return err
 
     err = asyncio.run(run())
     assert (err.http_status, err.code, err.retry_after_s) == (503, "ttft_target_missed", 1)
     assert [t for _, t in pool.window.ttfts] == [1.0], "the latency breaker's window sees it"
-    assert pool.inflight == 0 and pool.admission.slots["big"].busy == 0
+    assert pool.inflight == 0 and slots.busy == 0
