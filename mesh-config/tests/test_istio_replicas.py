@@ -65,7 +65,11 @@ def test_a_hedging_deadline_is_a_per_try_timeout_in_the_virtual_service_and_a_he
 def test_the_patch_is_the_plain_envoy_route_policy_without_the_failover_pool():
     """Route for route, the same retry and hedge policy as the local mesh's routes, except where
     the plain-Envoy route counts the failover pool at priority 1, which Istio has not."""
-    plain = {r["name"]: r["route"] for r in route_config(LocalMeshPlan(policy=parse_policy(THREE)).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"]}
+    table = route_config(LocalMeshPlan(policy=parse_policy(THREE)).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"]
+    # The edge's last route answers 404 itself (no pool, no retries): it has no counterpart here.
+    assert "direct_response" in table[-1] and "route" not in table[-1]
+    plain = {r["name"]: r["route"] for r in table if "route" in r}
+    assert set(plain) == set(routes_by_name(parse_policy(THREE)))
     for name, (r, part) in routes_by_name(parse_policy(THREE)).items():
         want = copy.deepcopy(plain[name]["retry_policy"])
         got = copy.deepcopy(part["envoyRoute"]["route"]["retry_policy"])
@@ -113,9 +117,12 @@ def test_pool_clusters_get_weighted_round_robin_and_the_retry_budget():
             plain = circuit_breakers()["thresholds"][0]
             assert t == {k: v for k, v in plain.items() if k != "priority"} | {"track_remaining": True}
     assert len(clusters) == 2 * len(REPLICAS.pools)
-    # Every route of the VirtualService has its patch.
+    # Every route of the VirtualService to a pool has its patch; the edge's 404 (a directResponse,
+    # its last route) reaches no pool, so it has none.
     routes = [p["match"]["routeConfiguration"]["vhost"]["route"]["name"] for p in ef["spec"]["configPatches"] if p["applyTo"] == "HTTP_ROUTE"]
-    assert routes == [r["name"] for r in istio.http_routes(istio.chart_parts(REPLICAS), OPTS)]
+    vs = istio.http_routes(istio.chart_parts(REPLICAS), OPTS)
+    assert "directResponse" in vs[-1] and all("route" in r for r in vs[:-1])
+    assert routes == [r["name"] for r in vs[:-1]]
 
 
 def test_the_threshold_follows_the_values_overrides_and_the_budget_can_be_left_out():
@@ -162,7 +169,7 @@ def test_real_envoy_accepts_the_pools_patches_merged_into_what_istiod_builds(env
 
 
 @pytest.mark.parametrize(("policy", "name"), [(THREE, "rule-chat"), (THREE, "default-pool-grpc"), (REPLICAS, "rule-chat"),
-                                              (REPLICAS, "rule-chat-grpc"), (REPLICAS, "default-pool"), (LOCAL, "class-pool-interactive"),
+                                              (REPLICAS, "default-pool-grpc"), (REPLICAS, "default-pool"), (LOCAL, "class-pool-interactive"),
                                               (LOCAL, "class-pool-batch-grpc"), (LOCAL, "filter-chat-bulk")])
 def test_no_client_sees_a_load_report_on_any_route(policy, name):
     # THREE and REPLICAS (it only spills) decide every request natively (no pool-header routes);

@@ -151,7 +151,10 @@ def test_real_envoy_accepts_the_spill_patches_merged_into_what_istiod_builds(env
         part = next(r for r in istio.chart_parts(LOCAL)["routes"] if r["http"]["name"] == name)
         action = _merge({"cluster": istio.outbound_cluster(opts, part["pool"], part["grpc"])}, p["patch"]["value"]["route"])
         routes.append({"name": name, "match": {"prefix": "/"}, "route": action})
-    assert sum(r["route"]["cluster"].startswith("infermesh-spill|") for r in routes) >= 4
+    # Every route of a spilling pool, on both fronts, goes to an aggregate; no other route does.
+    spilling = [r for r in istio.chart_parts(LOCAL)["routes"] if (d := LOCAL.pools[r["pool"]].when_degraded) and d.spill_to]
+    assert {r["grpc"] for r in spilling} == {False, True}
+    assert [r["name"] for r in routes if r["route"]["cluster"].startswith("infermesh-spill|")] == [r["http"]["name"] for r in spilling]
     hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
            "stat_prefix": "t", "route_config": {"virtual_hosts": [{"name": "v", "domains": ["*"], "routes": routes}]},
            "http_filters": [{"name": "envoy.filters.http.router",
