@@ -188,7 +188,8 @@ def start_gateway(istiod_binary: str, form: "Form", objects: list[dict], config:
         if envoy.poll() is not None or istiod.poll() is not None:
             raise AssertionError("istiod or Envoy exited:\n" + gw.logs())
         try:
-            return httpx.get(gw.base_url + "/health", timeout=2).status_code == 200
+            # A serving path: the edge answers only the inference API (issue 28: /health is 404 there).
+            return httpx.get(gw.base_url + "/v1/models", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
