@@ -12,18 +12,23 @@ import json
 import os
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable
 
+import grpc
 import pytest
+from e2e.test_edge_routes_integration import FakeGrpcFront
 
 from infermesh import paths
 from infermesh.launcher import free_ports
 from infermesh.meshconfig.envoy_bootstrap import MeshListener, PoolEndpoint, write_bootstrap
-from infermesh.meshconfig.envoy_resources import native_module_env
+from infermesh.meshconfig.envoy_resources import NOT_FOUND_BODY, native_module_env
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.policy import load_policy
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
 FILTER_CONFIG = {
     "version": 1,
@@ -49,9 +54,12 @@ FILTER_CONFIG = {
 
 class EnvoyUnderTest:
     def __init__(self, workdir: Path, filter_config: dict | str, pools: dict[str, int], native_rules: bool = True,
-                 edit: Callable[[dict], None] | None = None, native_module: Path | None = None):
+                 edit: Callable[[dict], None] | None = None, native_module: Path | None = None,
+                 grpc_pools: dict[str, int] | None = None, edge_paths: tuple[str, ...] = ()):
         """`edit` changes the generated bootstrap before Envoy reads it; `native_module`: the filter
-        as that dynamic module (filter.runtime: native) instead of the Wasm build."""
+        as that dynamic module (filter.runtime: native) instead of the Wasm build; `grpc_pools`:
+        the pools' gRPC fronts (pool -> port; none: no gRPC routes); `edge_paths`: the paths the
+        listener serves (default EDGE_PATHS; every other path gets the edge's 404)."""
         self.listen, self.admin_port = free_ports(2)
         listener = MeshListener(
             listen_host="127.0.0.1",
@@ -59,10 +67,11 @@ class EnvoyUnderTest:
             admin_port=self.admin_port,
             wasm_path=paths.filter_wasm(),
             filter_config=filter_config if isinstance(filter_config, dict) else {},
-            pools=[PoolEndpoint(n, "127.0.0.1", p) for n, p in pools.items()],
+            pools=[PoolEndpoint(n, "127.0.0.1", p, (grpc_pools or {}).get(n, 0)) for n, p in pools.items()],
             default_pool="batch",
             native_rules=native_rules,
             filter_runtime="native" if native_module else "wasm",
+            edge_paths=edge_paths,
         )
         boot = write_bootstrap(listener, workdir / "envoy.json")
         if not isinstance(filter_config, dict) or edit is not None:
@@ -110,8 +119,19 @@ class EnvoyUnderTest:
 
 
 @pytest.fixture(scope="module")
-def envoy(upstreams, tmp_path_factory):
-    e = EnvoyUnderTest(tmp_path_factory.mktemp("envoy"), FILTER_CONFIG, upstreams)
+def grpc_fronts():
+    """Fake gRPC fronts for the echo pools (pool -> port): each answers with its pool's name and
+    returns the routing metadata it got as trailing metadata."""
+    ports = dict(zip(("interactive", "batch"), free_ports(2)))
+    fronts = [FakeGrpcFront(pool, port) for pool, port in ports.items()]
+    yield ports
+    for f in fronts:
+        f.stop()
+
+
+@pytest.fixture(scope="module")
+def envoy(upstreams, grpc_fronts, tmp_path_factory):
+    e = EnvoyUnderTest(tmp_path_factory.mktemp("envoy"), FILTER_CONFIG, upstreams, grpc_pools=grpc_fronts)
     assert e.wait_ready(), "envoy did not start:\n" + e.log()[-3000:]
     yield e
     e.stop()
@@ -125,6 +145,18 @@ def call(base: str, path: str, method: str = "POST", headers: dict | None = None
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200
         return json.loads(r.read())
+
+
+def not_found(base: str, path: str, method: str = "POST", headers: dict | None = None) -> dict:
+    """The edge's JSON 404 for a path it does not serve (its error object)."""
+    req = urllib.request.Request(base + path, data=b"{}" if method == "POST" else None, method=method,
+                                 headers={"content-type": "application/json"} | (headers or {}))
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 404 and e.value.headers["content-type"] == "application/json", (path, e.value.code)
+    body = e.value.read().decode()
+    assert body == NOT_FOUND_BODY, (path, body)
+    return json.loads(body)["error"]
 
 
 def decided(got: dict) -> tuple[str, str, str, str]:
@@ -153,8 +185,15 @@ def test_chat_goes_to_interactive_pool(envoy):
 
 
 def test_everything_else_goes_to_batch_by_default(envoy):
-    for path in ("/v1/completions", "/v1/embeddings", "/anything?x=1"):
+    for path in ("/v1/completions", "/v1/responses", "/v1/messages?x=1", "/tokenize", "/detokenize"):
         assert decided(call(envoy.base, path)) == ("batch", "batch", "default", "batch"), path
+    # Paths outside the serving API reach no pool at all: the edge's 404, not the default class.
+    before = prom(envoy)
+    for path in ("/v1/embeddings", "/anything?x=1"):
+        assert not_found(envoy.base, path)["code"] == "not_found"
+    after = prom(envoy)
+    assert metric(after, "infermesh_requests_total", **{"class": "batch", "pool": "batch", "rule": "default"}) == \
+        metric(before, "infermesh_requests_total", **{"class": "batch", "pool": "batch", "rule": "default"}), "the filter classified a 404"
 
 
 def test_get_on_chat_path_is_not_the_chat_rule(envoy):
@@ -244,10 +283,20 @@ def test_empty_body_and_bodyless_requests(envoy):
 
 
 def test_grpc_is_classified_by_method_without_buffering(envoy):
-    # A gRPC request over HTTP/1.1 is enough to show the method path decides and the body is
-    # not parsed (application/grpc is not JSON).
-    got = call(envoy.base, "/infermesh.v1.Inference/Generate", headers={"content-type": "application/grpc"}, body=b"\x00\x00\x00\x00\x02\x08\x01")
-    assert decided(got)[:3] == ("interactive", "interactive", "grpc-generate")
+    # The method path decides (the body is protobuf, not JSON: not parsed); the pools' fake gRPC
+    # fronts return the routing metadata they got as trailing metadata.
+    with grpc.insecure_channel(f"127.0.0.1:{envoy.listen}") as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        call_ = stub.Generate(pb.GenerateRequest(text="hi"), timeout=10)
+        assert [r.request_id for r in call_] == ["interactive"]
+        trail = dict(call_.trailing_metadata())
+        assert (trail["x-served-pool"], trail["x-infermesh-pool"], trail["x-infermesh-class"], trail["x-infermesh-rule"]) == \
+            ("interactive", "interactive", "interactive", "grpc-generate")
+        # ListModels matches no rule: the default class, on batch's gRPC front.
+        models, call_ = stub.ListModels.with_call(pb.ListModelsRequest(), timeout=10)
+        trail = dict(call_.trailing_metadata())
+        assert [m.id for m in models.models] == ["batch"]
+        assert (trail["x-served-pool"], trail["x-infermesh-class"], trail["x-infermesh-rule"]) == ("batch", "batch", "default")
 
 
 # ---- headers from outside --------------------------------------------------------------------
@@ -277,8 +326,9 @@ def test_trusted_source_keeps_an_upstream_decision(upstreams, tmp_path):
 
 
 def test_admin_is_not_reachable_through_the_listener(envoy):
-    got = call(envoy.base, "/stats", method="GET")
-    assert got["upstream"] == "batch", "admin paths on the mesh listener are just requests to a pool"
+    # Admin paths on the mesh listener are not the serving API: the edge's 404, from no pool.
+    for path in ("/stats", "/ready", "/config_dump"):
+        assert not_found(envoy.base, path, method="GET")["code"] == "not_found", path
     with urllib.request.urlopen(envoy.admin + "/ready", timeout=5) as r:
         assert r.status == 200
 

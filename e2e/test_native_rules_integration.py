@@ -11,7 +11,8 @@ import urllib.request
 
 import pytest
 
-from e2e.test_filter_envoy_integration import EnvoyUnderTest, metric, prom
+from e2e.test_filter_envoy_integration import EnvoyUnderTest, metric, not_found, prom
+from infermesh.meshconfig.envoy_resources import EDGE_PATHS
 
 CONFIG = {
     "version": 1,
@@ -31,6 +32,10 @@ CONFIG = {
     ],
     "emit_objective_header": True,
 }
+
+# Paths outside the serving API that the rules below match on (an exact path, a regex, a prefix
+# after a regex): the listener serves them too here, so both forms decide them.
+MADE_UP_PATHS = ("/v1/hint", "/v2/anything", "/v3/after")
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 REQUESTS = [
@@ -53,7 +58,6 @@ REQUESTS = [
     ("POST", "/v1/models", {}, {}),
     ("POST", "/v2/anything", {}, {}),
     ("POST", "/v3/after", {}, {}),
-    ("POST", "/v1/embeddings", {}, {}),
     # Spoofed routing headers: stripped before any route is chosen, in both forms.
     ("POST", "/v1/completions", {"x-infermesh-pool": "interactive", "x-infermesh-class": "interactive", "x-infermesh-rule": "vip"}, {}),
     ("POST", "/v1/chat/completions", {"x-infermesh-pool": "batch"}, CHAT | {"stream": True}),
@@ -75,7 +79,8 @@ def send(base: str, method: str, path: str, headers: dict, body: dict | None) ->
 def pair(upstreams, tmp_path_factory):
     envoys = {}
     for native in (False, True):
-        e = EnvoyUnderTest(tmp_path_factory.mktemp(f"native-{native}"), CONFIG, upstreams, native_rules=native)
+        e = EnvoyUnderTest(tmp_path_factory.mktemp(f"native-{native}"), CONFIG, upstreams, native_rules=native,
+                           edge_paths=EDGE_PATHS + MADE_UP_PATHS)
         assert e.wait_ready(), e.log()[-3000:]
         envoys[native] = e
     yield envoys
@@ -92,6 +97,12 @@ def test_native_rules_route_every_request_as_the_filter_does(pair):
     rules = {d[3] for d in filter_side}
     assert rules == {"vip", "no-bulk-hint", "chat-bulk", "chat", "tenant", "models", "v2", "after-regex", "default"}, rules
     assert ("batch", "batch", "batch", "default", "batch") in filter_side, "the spoofed headers were ignored"
+    # A path neither the serving API nor the rules' made-up paths: the same 404 in both forms,
+    # whatever header rule it would match.
+    for e in pair.values():
+        for path in ("/v1/embeddings", "/v2", "/v3"):
+            for headers in ({}, {"x-priority": "high"}, {"x-tenant": "team-a", "x-debug": ""}):
+                assert not_found(e.base, path, headers=headers)["code"] == "not_found", (path, headers)
 
 
 def test_natively_decided_requests_never_enter_the_vm(pair):
