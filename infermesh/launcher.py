@@ -134,9 +134,10 @@ def plan_on_free_ports(policy_path: Path) -> LocalMeshPlan:
 
     policy = load_policy(policy_path)
     sidecars = replica_list(policy)
-    ports = free_ports(3 + 4 * len(sidecars))
-    pools = [PoolPorts(name, *ports[3 + 4 * i: 7 + 4 * i], replica=r) for i, (name, r) in enumerate(sidecars)]
-    return LocalMeshPlan(policy_path=policy_path, policy=policy, listen_port=ports[0], admin_port=ports[1], xds_port=ports[2], pools=pools)
+    ports = free_ports(4 + 4 * len(sidecars))
+    pools = [PoolPorts(name, *ports[4 + 4 * i: 8 + 4 * i], replica=r) for i, (name, r) in enumerate(sidecars)]
+    return LocalMeshPlan(policy_path=policy_path, policy=policy, listen_port=ports[0], admin_port=ports[1], xds_port=ports[2],
+                         metrics_port=ports[3], pools=pools)
 
 
 def wait_until(pred: Callable[[], object], timeout: float, every: float = 0.1, what: str = "condition"):
@@ -273,13 +274,14 @@ class LocalMesh:
         # and keeps watching the file; Envoy starts from a bootstrap that only names it.
         xds = [sys.executable, "-m", "infermesh.meshconfig.xds_server", "--policy", str(self.plan.policy_path),
                "--port", str(self.plan.xds_port), "--listen-host", self.plan.host, "--listen-port", str(self.plan.listen_port),
-               "--wasm", str(self.wasm), "--native-module", str(self.native_module)]
+               "--wasm", str(self.wasm), "--native-module", str(self.native_module), "--metrics-port", str(self.plan.metrics_port)]
         for p in self.plan.pools:
             xds += ["--pool", f"{p.name}={self.plan.host}:{p.http_port}:{p.grpc_port}"]
             if p.admin_port:
                 xds += ["--pool-admin", f"{p.name}=http://127.0.0.1:{p.admin_port}"]
         self._spawn("control-plane", xds, cpus=self.proxy_cores)
-        progress(f"control plane: starting (ADS 127.0.0.1:{self.plan.xds_port}, watching {self.plan.policy_path})")
+        progress(f"control plane: starting (ADS 127.0.0.1:{self.plan.xds_port}, metrics http://127.0.0.1:{self.plan.metrics_port}/metrics, "
+                 f"watching {self.plan.policy_path})")
         bootstrap = self.run_dir / "envoy.json"
         bootstrap.write_text(json.dumps(xds_bootstrap(self.plan.admin_port, "127.0.0.1", self.plan.xds_port), indent=2))
         # For reading only: the resources the control plane serves, as a static config.

@@ -198,6 +198,10 @@ const VIEW_MS: u64 = 100;
 const REWRITE_MS: u64 = 250;
 /// A worker reads the level header of one response per pool this often (`ResponseSampler`).
 const SAMPLE_MS: u64 = 10;
+/// Traffic keeps a pool's newest reading in shared data at most this old (an unchanged one is
+/// rewritten every REWRITE_MS): an older one means its traffic stopped (spilled away, idle), and
+/// the probe is due now, not a whole probe interval after the pool's last response.
+const TRAFFIC_FRESH_MS: u64 = REWRITE_MS + SAMPLE_MS;
 /// CAS attempts per write before it is given up (and counted): another worker keeps winning.
 const CAS_TRIES: usize = 4;
 
@@ -276,7 +280,7 @@ impl PoolStates {
     /// Claim this interval's probe of `pool` for this worker (CAS on the pool's probe key), unless
     /// traffic already keeps its readings fresh.
     fn claim_probe(metrics: &Metrics, pool: &str, interval: u64, now: u64) -> bool {
-        if now.saturating_sub(Self::read(metrics, pool).0.newest_ms()) < interval {
+        if now.saturating_sub(Self::read(metrics, pool).0.newest_ms()) < interval.min(TRAFFIC_FRESH_MS) {
             return false;
         }
         let key = probe_key(pool);

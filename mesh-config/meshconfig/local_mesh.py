@@ -53,6 +53,8 @@ class LocalMeshPlan:
     listen_port: int = 8080
     admin_port: int = 9901
     xds_port: int = 18000
+    metrics_port: int = 18001
+    """The control plane's counters (policy rejections, NACKs, rollbacks) on 127.0.0.1: /metrics."""
     host: str = "127.0.0.1"
     pools: list[PoolPorts] = field(default_factory=list)
 
