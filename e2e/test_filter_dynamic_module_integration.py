@@ -17,12 +17,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 
-from e2e.test_filter_envoy_integration import FILTER_CONFIG, EnvoyUnderTest
+from e2e.test_filter_envoy_integration import FILTER_CONFIG, EnvoyUnderTest, grpc_fronts, not_found  # noqa: F401 (a fixture)
 from e2e.test_pool_state_integration import (
     LEVEL, STATE_FAULTS, back_to_normal, batch, chat, get, pool_state_mesh, request, unreadable_state_leaves_routing_normal, until)
 from infermesh import paths
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(paths.REPO_ROOT / "filter" / "bench"))
 from native_module import NATIVE_SO  # noqa: E402
@@ -37,9 +40,10 @@ def native_so(native_module) -> Path:
     return native_module
 
 
-def NativeEnvoy(workdir: Path, filter_config: dict | str, pools: dict[str, int], module: Path, native_rules: bool = True) -> EnvoyUnderTest:
+def NativeEnvoy(workdir: Path, filter_config: dict | str, pools: dict[str, int], module: Path, native_rules: bool = True,
+                grpc_pools: dict[str, int] | None = None) -> EnvoyUnderTest:
     """EnvoyUnderTest's Envoy with the filter as the native module (MeshListener's filter_runtime native)."""
-    return EnvoyUnderTest(workdir, filter_config, pools, native_rules, native_module=module)
+    return EnvoyUnderTest(workdir, filter_config, pools, native_rules, native_module=module, grpc_pools=grpc_pools)
 
 
 def envoy_stat(admin: str, name: str) -> int:
@@ -58,10 +62,11 @@ def stats(admin: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def pair(upstreams, native_so, tmp_path_factory):
+def pair(upstreams, grpc_fronts, native_so, tmp_path_factory):
     """The Wasm filter and the native module, each deciding every request (native rules off)."""
-    envoys = {"wasm": EnvoyUnderTest(tmp_path_factory.mktemp("wasm"), FILTER_CONFIG, upstreams, native_rules=False),
-              "native": NativeEnvoy(tmp_path_factory.mktemp("native"), FILTER_CONFIG, upstreams, native_so, native_rules=False)}
+    envoys = {"wasm": EnvoyUnderTest(tmp_path_factory.mktemp("wasm"), FILTER_CONFIG, upstreams, native_rules=False, grpc_pools=grpc_fronts),
+              "native": NativeEnvoy(tmp_path_factory.mktemp("native"), FILTER_CONFIG, upstreams, native_so, native_rules=False,
+                                    grpc_pools=grpc_fronts)}
     for name, e in envoys.items():
         assert e.wait_ready(), f"{name} envoy did not start:\n" + e.log()[-3000:]
     yield envoys
@@ -79,7 +84,7 @@ REQUESTS = [
     ("POST", "/v1/chat/completions", {}, CHAT | {"stream": True}),
     ("POST", "/v1/completions", {}, {}),
     ("GET", "/v1/chat/completions", {}, None),
-    ("GET", "/anything?x=1", {}, None),
+    ("GET", "/v1/models?x=1", {}, None),
     ("POST", "/v1/completions", {"x-priority": "high"}, {"max_tokens": 5000, "model": "eval-x"}),
     ("POST", "/v1/chat/completions", {}, {"messages": [], "max_tokens": 4096}),
     ("POST", "/v1/chat/completions", {}, {"messages": [], "max_completion_tokens": 4096, "max_tokens": 1}),
@@ -91,7 +96,6 @@ REQUESTS = [
     ("POST", "/v1/chat/completions?api-version=2", {}, CHAT | {"stream": False, "max_tokens": 2000}),
     ("POST", "/v1/chat/completions", {"content-type": "text/plain"}, {"max_tokens": 5000}),
     ("POST", "/v1/chat/completions", {"content-type": "application/grpc"}, {"max_tokens": 5000}),
-    ("POST", "/infermesh.v1.Inference/Generate", {"content-type": "application/grpc"}, b"\x00\x00\x00\x00\x02\x08\x01"),
     ("POST", "/v1/chat/completions", {}, bytes(range(256)) * 64),
     ("POST", "/v1/chat/completions", {}, b""),
     ("POST", "/v1/chat/completions", {}, {"max_tokens": 5000, "messages": [{"role": "user", "content": "x" * (1536 * 1024)}]}),
@@ -120,6 +124,24 @@ def test_same_verdict_as_the_wasm_filter(pair, method, path, headers, body):
     native = send(pair["native"].base, method, path, headers, body)
     assert native == wasm
     assert native[0] == native[1], "the route follows the pool header"
+
+
+def test_same_grpc_verdict_as_the_wasm_filter(pair):
+    """A gRPC call is decided by its method alone, the same in both runtimes (the pools' fake gRPC
+    fronts return the routing metadata they got as trailing metadata)."""
+    verdicts = {}
+    for name, e in pair.items():
+        with grpc.insecure_channel(f"127.0.0.1:{e.listen}") as ch:
+            call_ = pb_grpc.InferenceStub(ch).Generate(pb.GenerateRequest(text="hi"), timeout=10)
+            assert [r.request_id for r in call_] == ["interactive"], name
+            trail = dict(call_.trailing_metadata())
+            verdicts[name] = tuple(trail.get(k) for k in ("x-served-pool", "x-infermesh-pool", "x-infermesh-class", "x-infermesh-rule"))
+    assert verdicts["native"] == verdicts["wasm"] == ("interactive", "interactive", "interactive", "grpc-generate")
+
+
+def test_paths_the_edge_does_not_serve_get_the_same_404_from_both(pair):
+    for path in ("/anything?x=1", "/v1/embeddings", "/metrics", "/infermesh/state"):
+        assert not_found(pair["wasm"].base, path, "GET") == not_found(pair["native"].base, path, "GET"), path
 
 
 def test_body_rules_and_fallbacks_are_counted_as_the_wasm_filter_counts_them(pair):
