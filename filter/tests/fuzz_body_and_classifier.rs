@@ -18,7 +18,10 @@ use infermesh_filter::body::{parse_body, parse_body_segments, BodyFacts, MAX_KEP
 use infermesh_filter::classify::{classify, Body, Fallback, Outcome, RequestView};
 use infermesh_filter::config::FilterConfig;
 use serde_json::{json, Map, Value};
-use std::time::{Duration, Instant};
+#[path = "common/fuzz_rng.rs"]
+mod fuzz_rng;
+use fuzz_rng::{budget, seed, Rng};
+use std::time::Instant;
 
 #[path = "common/serde_scanner.rs"]
 mod serde_scanner;
@@ -31,33 +34,6 @@ fn same_as_serde_scanner(s: u64, input: &[u8]) -> Result<BodyFacts, String> {
     got
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // xorshift64*
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545F4914F6CDD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len() as u64) as usize]
-    }
-}
-
-fn budget() -> Duration {
-    let secs = std::env::var("INFERMESH_FUZZ_SECS").ok().and_then(|s| s.parse::<f64>().ok()).unwrap_or(3.0);
-    Duration::from_secs_f64(secs)
-}
-
-fn seed() -> u64 {
-    // Fixed, so a failure in the suite replays; INFERMESH_FUZZ_SEED explores others.
-    std::env::var("INFERMESH_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x1f5e_ed28_c0f1_9001)
-}
 
 fn text(r: &mut Rng) -> String {
     let alphabet = ["a", "b", "é", "\"", "\\", "\n", "😀", " ", "\u{0}", "{", "]", "x", "/", "中", "\u{7f}", "\u{1f}", "\u{10ffff}", "\u{ffff}"];

@@ -18,6 +18,9 @@ use serde_json::{json, Value};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::path::Path;
+#[path = "common/fuzz_rng.rs"]
+mod fuzz_rng;
+use fuzz_rng::{budget, seed, Rng};
 use std::time::{Duration, Instant};
 
 // ---- a per-thread count of live heap bytes, for the memory bound -------------------------------
@@ -69,32 +72,6 @@ fn with_peak<R>(f: impl FnOnce() -> R) -> (R, usize) {
 
 // ---- seeds and randomness ---------------------------------------------------------------------
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // xorshift64*
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545F4914F6CDD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len() as u64) as usize]
-    }
-}
-
-fn budget() -> Duration {
-    let secs = std::env::var("INFERMESH_FUZZ_SECS").ok().and_then(|s| s.parse::<f64>().ok()).unwrap_or(3.0);
-    Duration::from_secs_f64(secs)
-}
-
-fn seed() -> u64 {
-    std::env::var("INFERMESH_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x1f5e_ed28_c0f1_9001)
-}
 
 /// Longest one parse may take: ordinary configs parse in microseconds, the largest inputs here
 /// (a few MiB) in milliseconds; this is a hang, even on a loaded two-core machine.
