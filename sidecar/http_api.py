@@ -484,10 +484,10 @@ def build_app(pool: Pool) -> FastAPI:
                             attempt: Attempt) -> Response:
         # Headers go out with the first content (vLLM's role chunk comes with the first token):
         # an error before it is a real status.
-        first_chunk = _first(gen) if life.req.ttft_give_up_s is None else asyncio.wait_for(_first(gen), max(0.0, life.first_token_deadline() - pool.clock()))
+        first_chunk = _first(gen) if life.req.ttft_give_up_s is None else asyncio.wait_for(_first_or_refused(gen, life), max(0.0, life.first_token_deadline() - pool.clock()))
         try:
             present, first = await _until_disconnect(request, first_chunk)
-        except asyncio.TimeoutError:  # the mesh's TTFT limit (x-infermesh-ttft-give-up-ms) passed: 504, vLLM aborts
+        except (asyncio.TimeoutError, Refused):  # refused in line (429, at once), or the TTFT limit passed: 503/504, vLLM aborts
             await gen.aclose()
             e = life.gave_up()
             await life.close(e)
@@ -525,6 +525,28 @@ def build_app(pool: Pool) -> FastAPI:
 
     state_api.install(app, pool)
     return app
+
+
+class Refused(Exception):
+    """A held stream was refused while it waited for an engine slot (RequestLifecycle.refused)."""
+
+
+async def _first_or_refused(gen: AsyncIterator[str], life: RequestLifecycle) -> str | None:
+    """The stream's first chunk, or Refused as soon as its wait for a slot is refused (not at its
+    TTFT limit: the refusal's p99 time then is the admission's, docs/breakers.md)."""
+    first = asyncio.ensure_future(_first(gen))
+    refused = asyncio.ensure_future(life.refused.wait())
+    try:
+        await asyncio.wait((first, refused), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the TTFT limit (wait_for) or a vanished client: the stream is closed after
+        await _cancel(first)
+        raise
+    finally:
+        refused.cancel()
+    if first.done():
+        return first.result()
+    await _cancel(first)
+    raise Refused
 
 
 async def _first(gen: AsyncIterator[str]) -> str | None:

@@ -20,10 +20,10 @@ refused there (429 `ttft_target_unreachable`, Retry-After), and vLLM never sees 
 
 On the HTTP front the class's target is also the TTFT limit of a request that has to wait in line
 at admission, when the mesh sent none (`x-infermesh-ttft-give-up-ms`; one that gets a slot at
-once has none, and is served however late vLLM is, as before): the front's own timer answers a stream refused while it waited,
+once has none, and is served however late vLLM is, as before): the front answers a stream refused while it waited at once (`refused`),
 with Retry-After (vLLM's serving layer, between the front and the engine client, would turn an
-error raised in the wait into a stream's error chunk without one), so such a stream is held until
-then; a non-streamed request's refusal passes through vLLM's layer and is answered at once; a stream that reached vLLM without a first token by then gets 503 `ttft_target_missed` and
+error raised in the wait into a stream's error chunk without one), so such a stream is held
+there while the front answers; a non-streamed request's refusal passes through vLLM's layer and is answered at once; a stream that reached vLLM without a first token by then gets 503 `ttft_target_missed` and
 is aborted there; a non-streamed one, once in vLLM, runs to its end (watching its first token
 would take vLLM's cumulative outputs, a cost on every step).
 """
@@ -31,6 +31,7 @@ would take vLLM's cumulative outputs, a cost on every step).
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import enum
 import math
 
@@ -46,6 +47,9 @@ from .requests import Completion, GenerationRequest, TokenDelta
 if TYPE_CHECKING:
     from .pool import Pool
 
+
+_TOKENIZE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infermesh-tokenize")
+"""The gRPC front's tokenization (RequestLifecycle._generate)."""
 
 class Front(enum.Enum):
     """Which front a request came through; it names the outcome in its own terms."""
@@ -122,6 +126,8 @@ class RequestLifecycle:
         self._submitted = False  # vLLM may hold the request
         self._submitted_at = 0.0  # when it got its engine slot
         self.refusal: TargetUnreachable | None = None
+        self.refused = asyncio.Event()
+        """Set when a held stream is refused while it waited: the HTTP front answers it at once (gave_up)."""
         """Refused while it waited for an engine slot (never reached vLLM)."""
         self._target_limit = False  # the TTFT limit is the class's target (set at admission), not the mesh's
         self._delta = False  # vLLM's layer streams this request (delta outputs)
@@ -274,7 +280,8 @@ class RequestLifecycle:
             await self._slot()
         except TargetUnreachable as e:
             if self.req.ttft_give_up_s is not None and delta:
-                await asyncio.Future()  # a stream, held, never submitted: the front's timer answers it (gave_up)
+                self.refused.set()  # the front answers it now, with its Retry-After (gave_up)
+                await asyncio.Future()  # held, never submitted: vLLM's layer must not make it an error chunk
             raise http_refusal(e) from None  # non-streamed: vLLM's layer passes it to the front, answered at once
         self._vllm_ids.add(vllm_request_id)
         counted: dict[int, int] = {}  # tokens of each choice so far (cumulative outputs)
@@ -323,7 +330,9 @@ class RequestLifecycle:
     async def _generate(self) -> AsyncIterator[TokenDelta | Completion]:
         adm = self.admit()
         pool, engine = self.pool, adm.engine
-        ids = engine.prompt_ids(self.req)
+        # Off the event loop, on one thread: a fast tokenizer used from two threads at once can
+        # fail ("Already borrowed"); vLLM's renderer also tokenizes in a thread pool.
+        ids = await asyncio.get_running_loop().run_in_executor(_TOKENIZE, engine.prompt_ids, self.req)
         params = engine.sampling_params(self.req, len(ids), pool.config.server.default_max_tokens)
         self.prompt_tokens = len(ids)
         priority = pool.config.classes[adm.request_class].vllm_priority or 0

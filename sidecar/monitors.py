@@ -122,10 +122,14 @@ class EngineStats:
     updated: float = 0.0
     kv_steps: deque = field(default_factory=deque)
     """(time, KV-cache use) of every step of the last `KV_STEPS_KEPT_S`: what `KvCache` reads."""
+    listeners: list = field(default_factory=list)
+    """Called with (running, waiting) at every step: admission.EngineSlots gates starts on vLLM's queue."""
 
     def record(self, kv_cache_usage: float, running: int, waiting: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.kv_cache_usage, self.running, self.waiting, self.updated = kv_cache_usage, running, waiting, now
+        for fn in self.listeners:
+            fn(running, waiting)
         self.kv_steps.append((now, kv_cache_usage))
         while self.kv_steps and self.kv_steps[0][0] < now - KV_STEPS_KEPT_S:
             self.kv_steps.popleft()

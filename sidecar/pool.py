@@ -31,7 +31,7 @@ class Pool:
                  make_engine: type[ModelEngine] = ModelEngine):
         self.config = config
         self.clock = clock
-        self.metrics = metrics or SidecarMetrics(config.pool, config.instance)
+        self.metrics = metrics or SidecarMetrics.of(config)
         prio = any(c.vllm_priority is not None for c in config.classes.values())
         self.ladder = Ladder(config.models, priority_scheduling=prio, make_engine=make_engine)
         self.faults = Faults(clock)

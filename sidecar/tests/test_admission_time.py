@@ -332,3 +332,75 @@ def test_an_http_stream_without_a_first_token_by_its_target_is_503_and_its_wait_
     assert (err.http_status, err.code, err.retry_after_s) == (503, "ttft_target_missed", 1)
     assert [t for _, t in pool.window.ttfts] == [1.0], "the latency breaker's window sees it"
     assert pool.inflight == 0 and slots.busy == 0
+
+
+def test_vllms_own_queue_pauses_the_starts_and_drops_the_cap_to_what_runs(fake_clock):
+    s = EngineSlots(8, fake_clock, limit=6)
+    held = [s.enqueue(0, 1.0) for _ in range(4)]
+    assert all(w.started_at is not None for w in held) and s.cap == 6
+    s.engine_stats(running=3, waiting=1)  # vLLM runs 3 of them; one waits in its scheduler (KV cache full)
+    assert s.cap == 3, "the cap drops at once to what vLLM runs"
+    s.engine_stats(running=3, waiting=1)
+    assert s.cap == 3
+    w = s.enqueue(0, 1.0)
+    assert w.started_at is None and s.start_wait(0) != 0.0, "nothing starts while vLLM has a queue"
+    s.finish(held[0], ran=True)
+    assert w.started_at is None, "a free slot under the cap is no start while vLLM still reports a queue"
+    s.finish(held[1], ran=True)
+    assert s.busy == 2 and w.started_at is None
+    s.engine_stats(running=2, waiting=0)
+    assert w.started_at is not None, "the first step with nothing waiting moves the line"
+    s.measured_first_token(0.9, 1.0, w.started_at)
+    assert s.cap == 3, "a late first token of a request started before the drop is no second cut"
+
+
+def test_a_reading_from_before_the_last_request_left_pauses_nothing(fake_clock):
+    s = EngineSlots(4, fake_clock, limit=2)
+    w = s.enqueue(0, 1.0)
+    s.engine_stats(running=0, waiting=1)  # vLLM takes no further step once its queue is aborted
+    s.finish(w, ran=False)
+    assert s.enqueue(0, 1.0).started_at is not None, "no request of ours is in vLLM: its old queue is gone"
+
+
+def test_engine_stats_reach_the_slots_of_their_model(make_pool, fake_clock):
+    pool = make_pool(CFG, fake_clock)
+    for m in pool.ladder:
+        slots = pool.admission.slots[m.config.name]
+        m.stats.record(0.99, running=1, waiting=2, now=fake_clock())
+        assert slots.engine_waiting == 2
+
+
+def test_http_stream_refused_while_waiting_is_answered_at_the_decision_not_its_target(make_vllm_pool):
+    import json
+
+    from infermesh.sidecar.config import SidecarConfig
+    from infermesh.sidecar.http_api import build_app
+    from sidecar.tests.test_headers_at_first_token import _asgi, _hold_first_token
+
+    cfg = SidecarConfig.model_validate({
+        "pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "max_num_seqs": 1}],
+        "classes": {"interactive": {"priority": 0, "ttft_target_ms": 600}, "batch": {"priority": 10, "sheddable": True}}})
+    pool = make_vllm_pool(cfg)
+    llm = pool.primary.engine
+    opened = _hold_first_token(llm)
+    app = build_app(pool)
+    slots = pool.admission.slots["m-large"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def run():
+        holder = asyncio.create_task(_asgi(app, json.dumps(chat).encode(), None, opened, open_after=1.5))
+        while slots.busy == 0:
+            await asyncio.sleep(0.01)
+        slots.measured_hold(0.15)
+        slots.measured_first_token(0.4)  # at 0.2 s it can no longer start in time: refused then
+        sent = await _asgi(app, json.dumps(chat).encode(), None, headers=[(b"x-infermesh-class", b"interactive")])
+        await holder
+        return sent
+
+    sent = asyncio.run(run())
+    t, start = next((t, m) for t, m in sent if m["type"] == "http.response.start")
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    err = json.loads(b"".join(m.get("body", b"") for _, m in sent if m["type"] == "http.response.body"))["error"]
+    assert start["status"] == 429 and int(headers["retry-after"]) >= 1 and err["code"] == "ttft_target_unreachable"
+    assert 0.2 <= t < 0.5, "answered when refused (0.2 s), not at its 600 ms target"
+    assert len(llm.requests) == 1 and slots.refused_waiting == 1 and pool.inflight == 0

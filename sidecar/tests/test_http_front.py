@@ -19,7 +19,7 @@ CONFIG = SidecarConfig.model_validate(
     {"pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "aliases": ["m"]},
                                         {"name": "m-small", "path": "/nonexistent-too"}],
      "classes": {"interactive": {"priority": 0, "vllm_priority": 0}, "batch": {"priority": 10, "sheddable": True, "vllm_priority": 7}},
-     "server": {"max_body_bytes": 2048}}
+     "server": {"max_body_bytes": 2048}, "mesh_pools": ["interactive", "gpu-large"]}
 )
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
