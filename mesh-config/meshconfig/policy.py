@@ -620,6 +620,12 @@ class _BoundedLoader(yaml.SafeLoader):
     so a bomb stops at the limit instead of after it), and a constructor error on a bad scalar
     (`2020-13-45`, a 5000-digit int) reported at that scalar's line instead of as a bare ValueError."""
 
+    # PyYAML's own table, pinned: a library in the same process may patch SafeLoader's
+    # (lm-format-enforcer, loaded with vLLM's structured outputs, reads every timestamp as a
+    # string), and a policy must read the same in every process.
+    yaml_constructors = {**yaml.SafeLoader.yaml_constructors,
+                         "tag:yaml.org,2002:timestamp": yaml.constructor.SafeConstructor.construct_yaml_timestamp}
+
     def __init__(self, stream):
         super().__init__(stream)
         self._depth = 0
