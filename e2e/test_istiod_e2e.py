@@ -30,6 +30,7 @@ from charts.tests.helm_render import NAMESPACE, Helm
 from infermesh import paths
 from infermesh.launcher import LocalMesh, _die_with_parent, free_ports, wait_until
 from infermesh.meshconfig.envoy_resources import (
+    NOT_FOUND_ROUTE,
     ORCA_HEADER,
     POOL_LIMITS,
     TTFT_GIVE_UP_HEADER,
@@ -308,6 +309,15 @@ def gateway_routes(dump: dict) -> list[dict]:
     return [r for rc in configs for vh in rc.get("virtual_hosts", []) for r in vh.get("routes", [])]
 
 
+def pool_routes(routes: list[dict]) -> dict[str, dict]:
+    """The gateway's routes to a pool, by name, once the table is checked to end with the edge's
+    404 for every path the mesh does not serve (the only route that reaches no pool)."""
+    *pools, last = routes
+    assert last["name"] == NOT_FOUND_ROUTE and last["direct_response"]["status"] == 404, last
+    assert all("route" in r for r in pools), [r["name"] for r in pools if "route" not in r]
+    return {r["name"]: r for r in pools}
+
+
 def pool_clusters(dump: dict) -> dict[str, dict]:
     clusters = [c["cluster"] for c in dump_of(dump, "ClustersConfigDump").get("dynamic_active_clusters", [])]
     return {c["name"]: c for c in clusters if c["name"].startswith("outbound|") and f".{NAMESPACE}.svc." in c["name"]}
@@ -348,9 +358,10 @@ def test_istiod_puts_the_filter_where_the_chart_says(gateway):
 def test_istiod_applies_the_route_patches(gateway):
     """The body buffer on every route (body rules) and the filter off on natively decided routes:
     the EnvoyFilter's HTTP_ROUTE patches found their routes by name."""
-    routes = {r["name"]: r for r in gateway_routes(gateway.config_dump())}
+    every = gateway_routes(gateway.config_dump())
+    routes = pool_routes(every)
     vs = next(o for o in gateway.objects if o["kind"] == "VirtualService" and o["spec"].get("gateways") != ["mesh"])
-    assert set(routes) == {r["name"] for r in vs["spec"]["http"]}, sorted(routes)
+    assert {r["name"] for r in every} == {r["name"] for r in vs["spec"]["http"]}, sorted(routes)
     patches = {}
     for o in gateway.objects:
         if o["kind"] == "EnvoyFilter" and o["metadata"]["name"] == "infermesh-filter":
@@ -363,6 +374,9 @@ def test_istiod_applies_the_route_patches(gateway):
         assert r.get("per_request_buffer_limit_bytes") == want.get("per_request_buffer_limit_bytes"), (name, r)
         off = r.get("typed_per_filter_config", {}).get(FILTER_NAME, {}).get("disabled", False)
         assert off is ("typed_per_filter_config" in want), (name, r)
+    # The edge's 404: the patch that turns the filter off there found it too (where one exists).
+    off = every[-1].get("typed_per_filter_config", {}).get(FILTER_NAME, {}).get("disabled", False)
+    assert off is ("typed_per_filter_config" in patches.get(NOT_FOUND_ROUTE, {})), every[-1]
     if gateway.form.body_rules:
         assert all(r.get("per_request_buffer_limit_bytes") == 3 * 1024 * 1024 for r in routes.values())
     # Native routes exist only for rules whose class `when_degraded` can never shed (the
@@ -458,7 +472,7 @@ def test_istiod_applies_the_pools_envoy_filter(gateway):
     assert all(line.endswith(": 0") for line in stats.strip().splitlines()), stats  # Envoy took every patched CDS/RDS update
 
     policy = parse_policy(yaml.safe_dump(gateway.form.policy or yaml.safe_load(DEFAULT_POLICY.read_text())))
-    routes = {r["name"]: r for r in gateway_routes(dump)}
+    routes = pool_routes(gateway_routes(dump))
     check_spill_config(dump, policy, routes, gateway.objects)
     for name, r in routes.items():
         assert ORCA_HEADER in r.get("response_headers_to_remove", []), (name, r)

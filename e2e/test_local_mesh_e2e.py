@@ -149,10 +149,12 @@ def test_grpc_client_streams_tokens_from_generate(local_mesh):
 def test_grpc_through_the_mesh_is_classified_and_routed_to_the_pools_grpc_front(local_mesh):
     """Envoy's listener speaks HTTP/2 without TLS too: the filter classifies Generate by its method
     (rule grpc-generate), the route sends it to the interactive pool's gRPC front, and a client's
-    own routing metadata is stripped."""
+    own routing metadata is stripped. gRPC health is Envoy's own check of the pools, not part of
+    the API the edge serves (docs/security.md)."""
     with grpc.insecure_channel(f"127.0.0.1:{local_mesh.plan.listen_port}") as ch:
-        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="infermesh.v1.Inference"), timeout=10)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="infermesh.v1.Inference"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
         call = pb_grpc.InferenceStub(ch).Generate(
             pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hi")]), max_tokens=6, temperature=0),
             metadata=(("x-infermesh-pool", "batch"), ("x-infermesh-class", "batch")),
