@@ -61,6 +61,13 @@ COLD_SHARE = 4
 gave a cold engine all 32 of its slots, with a KV cache for ~8 chats, served chats 17 s late)."""
 
 
+ADMIT_SHARE = 0.75
+"""A request is admitted only when its estimated first token comes within this share of its
+class's target: the estimates are running averages of the last ~10 requests, and a first token's
+spread around them must fit in the rest (the clean-clone run with the whole target: served p95
+1.05 s against a 1 s target)."""
+
+
 class TargetUnreachable(Overloaded):
     """Refused by time-bounded admission: the first token could not come within the class's target."""
 
@@ -190,13 +197,13 @@ class EngineSlots:
             raise TargetUnreachable(f"{what}: all {self.cap} engine slots are busy, {position} requests wait, and no request "
                                     f"has finished yet to measure a wait by", code="ttft_target_unreachable", retry_after_s=1)
         first = self.first_token_s or 0.0
-        if wait + first <= target_s:
+        if wait + first <= ADMIT_SHARE * target_s:
             return
         raise TargetUnreachable(
             f"{what}: {position} requests wait for {self.busy}/{self.cap} busy engine slots"
             + (f", started at {self.rate:.2f}/s" if self.rate else "")
             + f", and vLLM takes {first * 1000:.0f} ms to a first token: its first token would come in about "
-            f"{(wait + first) * 1000:.0f} ms, past its {target_s * 1000:.0f} ms target",
+            f"{(wait + first) * 1000:.0f} ms, past {ADMIT_SHARE:.0%} of its {target_s * 1000:.0f} ms target",
             code="ttft_target_unreachable", retry_after_s=max(1.0, math.ceil(wait + first - target_s)))
 
     def expire(self) -> list[Waiter]:

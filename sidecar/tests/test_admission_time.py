@@ -292,8 +292,8 @@ def test_http_non_streamed_refused_while_waiting_is_answered_at_the_decision(mak
         holder = asyncio.create_task(_asgi(app, json.dumps(chat | {"stream": True}).encode(), None, opened, open_after=1.5))
         while slots.busy == 0:
             await asyncio.sleep(0.01)
-        slots.measured_hold(0.15)  # admitted: 0.15 s to the slot + 0.4 s to a first token, within 600 ms
-        slots.measured_first_token(0.4)  # at 0.2 s it can no longer start in time: refused then
+        slots.measured_hold(0.1)  # admitted: 0.1 s to the slot + 0.3 s to a first token, within 75 % of 600 ms
+        slots.measured_first_token(0.3)  # at 0.2 s it can no longer start in time: refused then
         sent = await _asgi(app, json.dumps(chat).encode(), None, headers=[(b"x-infermesh-class", b"interactive")])
         await holder
         return sent
@@ -391,8 +391,8 @@ def test_http_stream_refused_while_waiting_is_answered_at_the_decision_not_its_t
         holder = asyncio.create_task(_asgi(app, json.dumps(chat).encode(), None, opened, open_after=1.5))
         while slots.busy == 0:
             await asyncio.sleep(0.01)
-        slots.measured_hold(0.15)
-        slots.measured_first_token(0.4)  # at 0.2 s it can no longer start in time: refused then
+        slots.measured_hold(0.1)
+        slots.measured_first_token(0.3)  # at 0.2 s it can no longer start in time: refused then
         sent = await _asgi(app, json.dumps(chat).encode(), None, headers=[(b"x-infermesh-class", b"interactive")])
         await holder
         return sent
@@ -404,3 +404,14 @@ def test_http_stream_refused_while_waiting_is_answered_at_the_decision_not_its_t
     assert start["status"] == 429 and int(headers["retry-after"]) >= 1 and err["code"] == "ttft_target_unreachable"
     assert 0.2 <= t < 0.5, "answered when refused (0.2 s), not at its 600 ms target"
     assert len(llm.requests) == 1 and slots.refused_waiting == 1 and pool.inflight == 0
+
+
+def test_an_estimate_within_the_target_but_past_its_admitted_share_is_refused(fake_clock):
+    from infermesh.sidecar.admission import ADMIT_SHARE
+
+    s = busy_slots(fake_clock, slots=2, hold_s=1.0, first_token_s=0.1)
+    s.check_arrival(1.0, 0, "pool p")  # 0.5 s to a slot + 0.1 s: within 75 % of 1 s
+    s.enqueue(0, 1.0)
+    assert ADMIT_SHARE < (1.0 + 0.1) / 1.4 <= 1.0  # the next one: 1.0 s + 0.1 s, within 1.4 s but past its share
+    with pytest.raises(TargetUnreachable):
+        s.check_arrival(1.4, 0, "pool p")
