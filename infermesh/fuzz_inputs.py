@@ -34,6 +34,23 @@ class Case:
         return f"{self.kind}: {self.method} {self.path} {body!r}{'…' if self.body and len(self.body) > 160 else ''}"
 
 
+def check_answer(r: Any, case: Case) -> None:
+    """What every fuzzed answer must be (an httpx or Starlette test-client response): no 5xx, an
+    error as JSON with a message, no error event with a 5xx code inside a stream."""
+    what = case.describe()
+    assert r.status_code < 500, f"{r.status_code} {r.text[:300]} <- {what}"
+    ctype = r.headers.get("content-type", "")
+    if r.status_code >= 400:
+        assert ctype.startswith("application/json"), f"{r.status_code} not JSON ({ctype}): {r.text[:200]} <- {what}"
+        err = r.json().get("error")
+        assert isinstance(err, dict) and err.get("message"), f"no error message: {r.text[:200]} <- {what}"
+    elif ctype.startswith("text/event-stream"):
+        for line in r.text.splitlines():
+            if line.startswith("data: {") and '"error"' in line[:20]:
+                code = json.loads(line[6:])["error"].get("code")
+                assert not (isinstance(code, int) and code >= 500), f"in-stream {line[:200]} <- {what}"
+
+
 def seed_bodies(model: str = "m") -> list[tuple[str, dict]]:
     """Ordinary requests of each API (the starting points of the mutations)."""
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
