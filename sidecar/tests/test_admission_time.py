@@ -232,7 +232,11 @@ def test_the_cap_grows_with_first_tokens_in_time_and_shrinks_once_a_round_when_l
 
 # -- through the HTTP front on vLLM's serving layer (fake engine, conftest.py) -------------------
 
-def test_http_stream_refused_while_waiting_gets_429_retry_after_and_never_reaches_vllm(make_vllm_pool):
+def _waits_behind_a_holder(make_vllm_pool, target_ms: int, open_after: float, measure, stream: bool):
+    """One engine slot (max_num_seqs 1), held by a batch chat (10 s target) until its first token at
+    `open_after`; once it holds the slot, `measure(slots)` sets what the pool measured and an
+    interactive chat (`target_ms`) comes in behind it. Returns (pool, the fake engine, the slots,
+    the interactive chat's ASGI messages with their times)."""
     import json
 
     from infermesh.sidecar.config import SidecarConfig
@@ -241,46 +245,7 @@ def test_http_stream_refused_while_waiting_gets_429_retry_after_and_never_reache
 
     cfg = SidecarConfig.model_validate({
         "pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "max_num_seqs": 1}],
-        "classes": {"interactive": {"priority": 0, "ttft_target_ms": 300}, "batch": {"priority": 10, "sheddable": True}}})
-    pool = make_vllm_pool(cfg)
-    llm = pool.primary.engine
-    opened = _hold_first_token(llm)
-    app = build_app(pool)
-    slots = pool.admission.slots["m-large"]
-    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
-
-    async def run():
-        # A batch chat (10 s target) holds the one slot until its first token at 1.0 s.
-        holder = asyncio.create_task(_asgi(app, body, None, opened, open_after=1.0))
-        while slots.busy == 0:
-            await asyncio.sleep(0.01)
-        slots.measured_hold(0.2)  # as if measured: the next one would start in 0.2 s, within 300 ms
-        sent = await _asgi(app, body, None, headers=[(b"x-infermesh-class", b"interactive")])
-        await holder
-        return sent
-
-    sent = asyncio.run(run())
-    start = next(m for _, m in sent if m["type"] == "http.response.start")
-    headers = {k.decode(): v.decode() for k, v in start["headers"]}
-    err = json.loads(b"".join(m.get("body", b"") for _, m in sent if m["type"] == "http.response.body"))["error"]
-    assert start["status"] == 429 and int(headers["retry-after"]) >= 1
-    assert err["code"] == "ttft_target_unreachable" and err["type"] == "rate_limit_error"
-    assert len(llm.requests) == 1, "only the holder reached vLLM"
-    assert slots.waiting == [] and slots.busy == 0 and pool.inflight == 0
-    t = next(t for t, m in sent if m["type"] == "http.response.start")
-    assert 0.3 <= t < 1.0, "answered at its 300 ms target, not when the slot freed at 1 s"
-
-
-def test_http_non_streamed_refused_while_waiting_is_answered_at_the_decision(make_vllm_pool):
-    import json
-
-    from infermesh.sidecar.config import SidecarConfig
-    from infermesh.sidecar.http_api import build_app
-    from sidecar.tests.test_headers_at_first_token import _asgi, _hold_first_token
-
-    cfg = SidecarConfig.model_validate({
-        "pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "max_num_seqs": 1}],
-        "classes": {"interactive": {"priority": 0, "ttft_target_ms": 600}, "batch": {"priority": 10, "sheddable": True}}})
+        "classes": {"interactive": {"priority": 0, "ttft_target_ms": target_ms}, "batch": {"priority": 10, "sheddable": True}}})
     pool = make_vllm_pool(cfg)
     llm = pool.primary.engine
     opened = _hold_first_token(llm)
@@ -289,20 +254,47 @@ def test_http_non_streamed_refused_while_waiting_is_answered_at_the_decision(mak
     chat = {"messages": [{"role": "user", "content": "hi"}]}
 
     async def run():
-        holder = asyncio.create_task(_asgi(app, json.dumps(chat | {"stream": True}).encode(), None, opened, open_after=1.5))
+        holder = asyncio.create_task(_asgi(app, json.dumps(chat | {"stream": True}).encode(), None, opened, open_after=open_after))
         while slots.busy == 0:
             await asyncio.sleep(0.01)
-        slots.measured_hold(0.1)  # admitted: 0.1 s to the slot + 0.3 s to a first token, within 75 % of 600 ms
-        slots.measured_first_token(0.3)  # at 0.2 s it can no longer start in time: refused then
-        sent = await _asgi(app, json.dumps(chat).encode(), None, headers=[(b"x-infermesh-class", b"interactive")])
+        measure(slots)
+        sent = await _asgi(app, json.dumps(chat | {"stream": stream}).encode(), None, headers=[(b"x-infermesh-class", b"interactive")])
         await holder
         return sent
 
-    sent = asyncio.run(run())
+    return pool, llm, slots, asyncio.run(run())
+
+
+def _refusal(sent) -> tuple[float, int, dict, dict]:
+    """The answer's time, status, headers and OpenAI error object."""
+    import json
+
     t, start = next((t, m) for t, m in sent if m["type"] == "http.response.start")
     headers = {k.decode(): v.decode() for k, v in start["headers"]}
     err = json.loads(b"".join(m.get("body", b"") for _, m in sent if m["type"] == "http.response.body"))["error"]
-    assert start["status"] == 429 and int(headers["retry-after"]) >= 1 and err["code"] == "ttft_target_unreachable"
+    return t, start["status"], headers, err
+
+
+def test_http_stream_refused_while_waiting_gets_429_retry_after_and_never_reaches_vllm(make_vllm_pool):
+    # As if measured: the next one would start in 0.2 s, within 300 ms; the holder's first token comes at 1.0 s.
+    pool, llm, slots, sent = _waits_behind_a_holder(make_vllm_pool, 300, 1.0, lambda s: s.measured_hold(0.2), stream=True)
+    t, status, headers, err = _refusal(sent)
+    assert status == 429 and int(headers["retry-after"]) >= 1
+    assert err["code"] == "ttft_target_unreachable" and err["type"] == "rate_limit_error"
+    assert len(llm.requests) == 1, "only the holder reached vLLM"
+    assert slots.waiting == [] and slots.busy == 0 and pool.inflight == 0
+    assert 0.3 <= t < 1.0, "answered at its 300 ms target, not when the slot freed at 1 s"
+
+
+def _measured_then_late(slots) -> None:
+    slots.measured_hold(0.1)  # admitted: 0.1 s to the slot + 0.3 s to a first token, within 75 % of 600 ms
+    slots.measured_first_token(0.3)  # at 0.2 s it can no longer start in time: refused then
+
+
+def test_http_non_streamed_refused_while_waiting_is_answered_at_the_decision(make_vllm_pool):
+    pool, llm, slots, sent = _waits_behind_a_holder(make_vllm_pool, 600, 1.5, _measured_then_late, stream=False)
+    t, status, headers, err = _refusal(sent)
+    assert status == 429 and int(headers["retry-after"]) >= 1 and err["code"] == "ttft_target_unreachable"
     assert 0.2 <= t < 0.6, "answered when refused (0.2 s), before its 600 ms target"
     assert len(llm.requests) == 1 and slots.refused_waiting == 1 and pool.inflight == 0
 
@@ -371,37 +363,9 @@ def test_engine_stats_reach_the_slots_of_their_model(make_pool, fake_clock):
 
 
 def test_http_stream_refused_while_waiting_is_answered_at_the_decision_not_its_target(make_vllm_pool):
-    import json
-
-    from infermesh.sidecar.config import SidecarConfig
-    from infermesh.sidecar.http_api import build_app
-    from sidecar.tests.test_headers_at_first_token import _asgi, _hold_first_token
-
-    cfg = SidecarConfig.model_validate({
-        "pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "max_num_seqs": 1}],
-        "classes": {"interactive": {"priority": 0, "ttft_target_ms": 600}, "batch": {"priority": 10, "sheddable": True}}})
-    pool = make_vllm_pool(cfg)
-    llm = pool.primary.engine
-    opened = _hold_first_token(llm)
-    app = build_app(pool)
-    slots = pool.admission.slots["m-large"]
-    chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
-
-    async def run():
-        holder = asyncio.create_task(_asgi(app, json.dumps(chat).encode(), None, opened, open_after=1.5))
-        while slots.busy == 0:
-            await asyncio.sleep(0.01)
-        slots.measured_hold(0.1)
-        slots.measured_first_token(0.3)  # at 0.2 s it can no longer start in time: refused then
-        sent = await _asgi(app, json.dumps(chat).encode(), None, headers=[(b"x-infermesh-class", b"interactive")])
-        await holder
-        return sent
-
-    sent = asyncio.run(run())
-    t, start = next((t, m) for t, m in sent if m["type"] == "http.response.start")
-    headers = {k.decode(): v.decode() for k, v in start["headers"]}
-    err = json.loads(b"".join(m.get("body", b"") for _, m in sent if m["type"] == "http.response.body"))["error"]
-    assert start["status"] == 429 and int(headers["retry-after"]) >= 1 and err["code"] == "ttft_target_unreachable"
+    pool, llm, slots, sent = _waits_behind_a_holder(make_vllm_pool, 600, 1.5, _measured_then_late, stream=True)
+    t, status, headers, err = _refusal(sent)
+    assert status == 429 and int(headers["retry-after"]) >= 1 and err["code"] == "ttft_target_unreachable"
     assert 0.2 <= t < 0.5, "answered when refused (0.2 s), not at its 600 ms target"
     assert len(llm.requests) == 1 and slots.refused_waiting == 1 and pool.inflight == 0
 
