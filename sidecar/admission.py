@@ -80,8 +80,18 @@ class Waiter:
     arrived: float
     deadline: float
     """Arrival plus the class's target: its first token is due by then."""
+
+    @property
+    def due(self) -> float:
+        """The latest estimated first token it may be started for: its arrival plus ADMIT_SHARE of
+        its target, as on arrival (`check_arrival`)."""
+        return self.arrived + ADMIT_SHARE * (self.deadline - self.arrived)
     started_at: float | None = None
     """When it got its slot (None: still in line, or refused)."""
+    ahead: int = 0
+    """Requests of its model started before it still without a first token, at its start."""
+    prefilling: bool = False
+    """Started, and no first token yet."""
     future: asyncio.Future | None = None
     refusal: TargetUnreachable | None = None
     finished: bool = False
@@ -107,6 +117,11 @@ class EngineSlots:
     """EWMA of how long a request holds a slot (from its start in vLLM to its release)."""
     first_token_s: float | None = None
     """EWMA of vLLM's time to a first token, from the request's start there."""
+    prefill_s: float | None = None
+    """EWMA of vLLM's time to a first token per request it had to prefill for it: its own and those
+    started before it without a first token yet (time to first token / (ahead + 1))."""
+    prefilling: int = 0
+    """Requests started without a first token yet."""
     busy: int = 0
     waiting: list[Waiter] = field(default_factory=list)
     refused_waiting: int = 0
@@ -115,6 +130,8 @@ class EngineSlots:
     """The measured concurrency (see the class); starts at a quarter of `slots`."""
     engine_waiting: int = 0
     """Requests waiting in vLLM's scheduler at its last step (`engine_stats`)."""
+    refused_at: float = -math.inf
+    """When it last refused a request for time (on arrival or in line)."""
     _cut_at: float = -math.inf
 
     def __post_init__(self) -> None:
@@ -133,6 +150,33 @@ class EngineSlots:
             self.limit = min(float(self.slots), self.limit + 1.0)
             self._start_next()
         elif seconds > target_s and (started_at is None or started_at > self._cut_at):
+            self.limit = max(1.0, self.limit * 0.75)
+            self._cut_at = self.clock()
+
+    def first_token(self, w: Waiter | None, seconds: float, target_s: float = math.inf) -> None:
+        """`w`'s first token came `seconds` after its start in vLLM: the measurements and the cap's step."""
+        if w is not None and w.prefilling:
+            self._prefilled(w)
+            share = seconds / (w.ahead + 1)
+            self.prefill_s = share if self.prefill_s is None else self.prefill_s + EWMA_WEIGHT * (share - self.prefill_s)
+        self.measured_first_token(seconds, target_s, w and w.started_at)
+
+    def _prefilled(self, w: Waiter) -> None:
+        if w.prefilling:
+            w.prefilling = False
+            self.prefilling -= 1
+
+    def missed_first_token(self, seconds: float, target_s: float, started_at: float | None = None, ahead: int = 0) -> None:
+        """A request given up at its target without a first token, `seconds` after its start in
+        vLLM (`ahead`: Waiter.ahead): its first token would have come later than that (a bound, so
+        it only raises the estimates), and when vLLM had it for half its target or more the cap
+        shrinks as for a late one."""
+        if self.first_token_s is None or seconds > self.first_token_s:
+            self.first_token_s = seconds if self.first_token_s is None else self.first_token_s + EWMA_WEIGHT * (seconds - self.first_token_s)
+        share = seconds / (ahead + 1)
+        if self.prefill_s is None or share > self.prefill_s:
+            self.prefill_s = share if self.prefill_s is None else self.prefill_s + EWMA_WEIGHT * (share - self.prefill_s)
+        if seconds >= target_s / 2 and (started_at is None or started_at > self._cut_at):
             self.limit = max(1.0, self.limit * 0.75)
             self._cut_at = self.clock()
 
@@ -179,10 +223,18 @@ class EngineSlots:
         rate = self.rate
         return None if rate is None else (position - free + 1) / rate
 
+    def first_token_estimate(self, wait: float) -> float:
+        """Estimated time from a start in vLLM to the first token, for a request that starts after
+        `wait`: one that starts now is prefilled after those started without a first token yet
+        (each measured at `prefill_s`); one that waits meets a batch as the measurements did."""
+        if wait == 0.0 and self.prefill_s is not None:
+            return (self.prefilling + 1) * self.prefill_s
+        return self.first_token_s or 0.0
+
     def estimate(self, priority: int) -> float | None:
         """Estimated time to the first token of a request of this priority arriving now."""
         wait = self.start_wait(self.ahead(priority))
-        return None if wait is None else wait + (self.first_token_s or 0.0)
+        return None if wait is None else wait + self.first_token_estimate(wait)
 
     def check_arrival(self, target_s: float, priority: int, what: str) -> None:
         """Raise TargetUnreachable when a request arriving now cannot get its first token within
@@ -194,11 +246,13 @@ class EngineSlots:
         if wait is None:  # nothing finished yet to measure a wait by: a line no longer than the cap
             if position < self.cap:
                 return
+            self.refused_at = self.clock()
             raise TargetUnreachable(f"{what}: all {self.cap} engine slots are busy, {position} requests wait, and no request "
                                     f"has finished yet to measure a wait by", code="ttft_target_unreachable", retry_after_s=1)
-        first = self.first_token_s or 0.0
+        first = self.first_token_estimate(wait)
         if wait + first <= ADMIT_SHARE * target_s:
             return
+        self.refused_at = self.clock()
         raise TargetUnreachable(
             f"{what}: {position} requests wait for {self.busy}/{self.cap} busy engine slots"
             + (f", started at {self.rate:.2f}/s" if self.rate else "")
@@ -207,19 +261,20 @@ class EngineSlots:
             code="ttft_target_unreachable", retry_after_s=max(1.0, math.ceil(wait + first - target_s)))
 
     def expire(self) -> list[Waiter]:
-        """Refuse every request in line that can no longer meet its deadline: its estimated start
-        (its place in line over the rate) plus vLLM's time to a first token is past it. Returns them."""
+        """Refuse every request in line that can no longer be started in time: its estimated start
+        (its place in line over the rate) plus vLLM's time to a first token is past its `due`
+        (ADMIT_SHARE of its target, as on arrival). Returns them."""
         now = self.clock()
         first = self.first_token_s or 0.0
         refused, kept = [], []
         for w in self.waiting:
             wait = self.start_wait(len(kept))
-            late = now + (wait or 0.0) + first - w.deadline
-            if late >= 0:
+            eta = now + (wait or 0.0) + first
+            if eta >= w.due:
                 w.refusal = TargetUnreachable(
                     f"waited {(now - w.arrived) * 1000:.0f} ms for an engine slot; its first token can no longer come "
-                    f"within its {(w.deadline - w.arrived) * 1000:.0f} ms target", code="ttft_target_unreachable",
-                    retry_after_s=max(1.0, math.ceil(late)))
+                    f"within {ADMIT_SHARE:.0%} of its {(w.deadline - w.arrived) * 1000:.0f} ms target", code="ttft_target_unreachable",
+                    retry_after_s=max(1.0, math.ceil(eta - w.deadline)))
                 w.finished = True
                 refused.append(w)
                 if w.future is not None and not w.future.done():
@@ -228,11 +283,15 @@ class EngineSlots:
                 kept.append(w)
         self.waiting = kept
         self.refused_waiting += len(refused)
+        if refused:
+            self.refused_at = now
         return refused
 
     def _start(self, w: Waiter) -> None:
         self.busy += 1
         w.started_at = self.clock()
+        w.ahead, w.prefilling = self.prefilling, True
+        self.prefilling += 1
         if w.future is not None and not w.future.done():
             w.future.set_result(None)
 
@@ -266,7 +325,7 @@ class EngineSlots:
         while not w.future.done():
             # Woken by a slot, or at the last moment its first token could still come in time,
             # to be refused then; a release that finds the rate too low refuses it earlier.
-            timeout = max(0.0, w.deadline - (self.first_token_s or 0.0) - self.clock())
+            timeout = max(0.0, w.due - (self.first_token_s or 0.0) - self.clock())
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(w.future), timeout)
             if not w.future.done():
@@ -286,6 +345,7 @@ class EngineSlots:
                 w.future.cancel()
             return
         self.busy -= 1
+        self._prefilled(w)
         if ran:
             self.measured_hold(self.clock() - w.started_at)
         self.expire()
@@ -295,6 +355,7 @@ class EngineSlots:
         return {"slots": self.slots, "cap": self.cap, "busy": self.busy, "waiting": len(self.waiting),
                 "hold_ms": None if self.hold_s is None else round(self.hold_s * 1000, 1),
                 "first_token_ms": None if self.first_token_s is None else round(self.first_token_s * 1000, 1),
+                "prefill_ms": None if self.prefill_s is None else round(self.prefill_s * 1000, 1), "prefilling": self.prefilling,
                 "rate_per_s": None if self.rate is None else round(self.rate, 2), "refused_waiting": self.refused_waiting,
                 "engine_waiting": self.engine_waiting}
 
@@ -359,6 +420,11 @@ class AdmissionControl:
         req.request_id = rid
         req.request_class = cls
         return Admission(rid, target, cls, degraded, reason, policy.ttft_target_s, slots.enqueue(policy.priority, policy.ttft_target_s))
+
+    def pressed_since(self, t: float) -> bool:
+        """Whether any engine of the pool has refused a request for time since `t`, or has one in
+        line now: compute that a late request holds is wanted by requests that can still be on time."""
+        return any(s.refused_at >= t or s.waiting for s in self.slots.values())
 
     def forget(self, request_id: str) -> None:
         """Free the request's slot. Idempotent."""

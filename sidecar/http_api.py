@@ -484,7 +484,11 @@ def build_app(pool: Pool) -> FastAPI:
                             attempt: Attempt) -> Response:
         # Headers go out with the first content (vLLM's role chunk comes with the first token):
         # an error before it is a real status.
-        first_chunk = _first(gen) if life.req.ttft_give_up_s is None else asyncio.wait_for(_first_or_refused(gen, life), max(0.0, life.first_token_deadline() - pool.clock()))
+        if life.req.ttft_give_up_s is not None:
+            first_chunk = asyncio.wait_for(_first_or_refused(gen, life), max(0.0, life.first_token_deadline() - pool.clock()))
+        else:
+            deadline = life.target_deadline()
+            first_chunk = _first(gen) if deadline is None else _first_unless_cut(gen, life, deadline - pool.clock())
         try:
             present, first = await _until_disconnect(request, first_chunk)
         except (asyncio.TimeoutError, Refused):  # refused in line (429, at once), or the TTFT limit passed: 503/504, vLLM aborts
@@ -547,6 +551,38 @@ async def _first_or_refused(gen: AsyncIterator[str], life: RequestLifecycle) -> 
         return first.result()
     await _cancel(first)
     raise Refused
+
+
+CUT_CHECK_S = 0.1
+"""How often a stream past its target without a first token asks again whether it is to be cut."""
+
+
+async def _first_unless_cut(gen: AsyncIterator[str], life: RequestLifecycle, after_s: float) -> str | None:
+    """The stream's first chunk; asyncio.TimeoutError when, past its class's target without one,
+    the lifecycle cuts it (`cut_if_pressed`; the front then answers `gave_up`). A timer, not a
+    task of its own: this runs for every stream."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    cut = False
+    handle: asyncio.TimerHandle | None = None
+
+    def check() -> None:
+        nonlocal cut, handle
+        if life.cut_if_pressed():
+            cut = True
+            task.cancel()
+        else:
+            handle = loop.call_later(CUT_CHECK_S, check)
+
+    handle = loop.call_later(max(0.0, after_s), check)
+    try:
+        return await _first(gen)
+    except asyncio.CancelledError:
+        if cut and task.uncancel() == 0:
+            raise asyncio.TimeoutError from None
+        raise
+    finally:
+        handle.cancel()
 
 
 async def _first(gen: AsyncIterator[str]) -> str | None:

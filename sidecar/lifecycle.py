@@ -186,6 +186,25 @@ class RequestLifecycle:
         """When the request's TTFT limit (`req.ttft_give_up_s`, set) ends, on the pool's clock."""
         return self._admitted_at + (self.req.ttft_give_up_s or 0.0)
 
+    def target_deadline(self) -> float | None:
+        """When its class's TTFT target ends, on the pool's clock (None: no target)."""
+        adm = self.admit()
+        return self._admitted_at + adm.target_s if math.isfinite(adm.target_s) else None
+
+    def cut_if_pressed(self) -> bool:
+        """A stream in vLLM without a first token at its class's target: held to the target (then
+        `gave_up`: 503 `ttft_target_missed`, aborted in vLLM) when its pool has refused a request
+        for time since this one was admitted, or has one in line: the compute it holds is wanted
+        by requests that can still be on time. Otherwise it is served however late vLLM is."""
+        adm = self.admission
+        if adm is None or self._first_token_at is not None or not self._submitted or self.req.ttft_give_up_s is not None:
+            return False
+        if not self.pool.admission.pressed_since(self._admitted_at):
+            return False
+        self.req.ttft_give_up_s = adm.target_s
+        self._target_limit = True
+        return True
+
     def gave_up(self) -> DeadlineExceeded:
         """The error of a request without a first token at its TTFT limit (docs/replicas.md). One
         that never reached vLLM is refused (429, its refusal's Retry-After); one that did is 503
@@ -196,8 +215,12 @@ class RequestLifecycle:
             return QueueRefusal(why, code="ttft_target_unreachable", retry_after_s=self.refusal.retry_after_s if self.refusal else 1)
         if self._target_limit:
             # Its TTFT is at least this long: the latency breaker (ttft_p95) must see a stalled
-            # engine's requests, which now end here instead of with a late first token.
-            self.pool.window.record_ttft(self.pool.clock() - self._admitted_at)
+            # engine's requests, which now end here instead of with a late first token, and so
+            # must the engine's slots (its cap and first-token estimate).
+            now = self.pool.clock()
+            self.pool.window.record_ttft(now - self._admitted_at)
+            w = self.admission.waiter
+            self.pool.admission.slots[self.admission.engine.config.name].missed_first_token(now - self._submitted_at, self.admission.target_s, w and w.started_at, w.ahead if w else 0)
             return TargetMissed(f"no first token within the {self.admission.request_class} class's {limit_ms:.0f} ms target",
                                 code="ttft_target_missed", retry_after_s=1)
         return DeadlineExceeded(f"no first token within {limit_ms:.0f} ms", code="ttft_deadline_exceeded", retry_after_s=1)
@@ -245,7 +268,7 @@ class RequestLifecycle:
             ttft = engine_ttft + (self._submitted_at - self._admitted_at)
             adm = self.admission
             w = adm.waiter
-            self.pool.admission.slots[adm.engine.config.name].measured_first_token(engine_ttft, adm.target_s, w and w.started_at)
+            self.pool.admission.slots[adm.engine.config.name].first_token(w, engine_ttft, adm.target_s)
             metrics = self.pool.metrics
             metrics.ttft.labels(self.front.value, self.label_class).observe(ttft)
             self._itl = metrics.itl.labels(self.front.value, self.label_class)
