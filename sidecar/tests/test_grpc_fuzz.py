@@ -136,6 +136,12 @@ def pool(make_vllm_pool):
     return p
 
 
+def gave_up_as_asked(wire: bool, meta, details: str) -> bool:
+    """A DEADLINE_EXCEEDED that is the sidecar's answer to the mesh's 1 ms TTFT give-up (whether a
+    first token comes within 1 ms depends on the machine's load), not the client's 10 s timeout (a hang)."""
+    return not wire and ("x-infermesh-ttft-give-up-ms", "1") in meta and details.startswith("no first token within 1 ms")
+
+
 def test_mutated_generate_requests_never_end_in_internal_or_unknown(pool):
     rng = random.Random(SEED)
 
@@ -158,6 +164,7 @@ def test_mutated_generate_requests_never_end_in_internal_or_unknown(pool):
                     r = base(rng)
                     mutate(rng, r)
                     wire = rng.random() < 0.25
+                    meta = ()
                     try:
                         if wire:
                             if rng.random() < 0.2:
@@ -165,11 +172,12 @@ def test_mutated_generate_requests_never_end_in_internal_or_unknown(pool):
                             else:
                                 [m async for m in raw(corrupt(rng, r.SerializeToString()), timeout=10)]
                         else:
-                            [m async for m in stub.Generate(r, metadata=rng.choice(META), timeout=10)]
+                            meta = rng.choice(META)
+                            [m async for m in stub.Generate(r, metadata=meta, timeout=10)]
                         code = grpc.StatusCode.OK
                     except grpc.aio.AioRpcError as e:
                         code = e.code()
-                        if code in BAD or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        if code in BAD or code == grpc.StatusCode.DEADLINE_EXCEEDED and not gave_up_as_asked(wire, meta, e.details()):
                             bad.append((code, e.details(), "wire" if wire else r))
                         elif code == grpc.StatusCode.INVALID_ARGUMENT and not names_a_field(e.details()):
                             bad.append(("unnamed", e.details(), r))
