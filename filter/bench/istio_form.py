@@ -1,8 +1,9 @@
 """The filter benchmark's Istio form: Envoy configured exactly as istiod configures the ingress
 gateway from the chart's own rendered resources, replayed as a static bootstrap.
 
-`capture()` renders the chart (`helm template`, the forms of e2e/test_istiod_e2e.py), runs the
-istiod harness (e2e/istiod, built once by scripts/setup-istiod.sh) on those resources plus the
+`capture()` renders the chart (`helm template`, the forms of infermesh/istiod_gateway.py that
+e2e/test_istiod_e2e.py checks), runs the istiod harness (e2e/istiod, built once by
+scripts/setup-istiod.sh) on those resources plus the
 ServiceEntries that stand in for the pool Services, here with the benchmark's sink as their
 endpoints, lets a real Envoy connect to it as the gateway and takes that Envoy's /config_dump
 (with EDS); istiod and that Envoy then stop. `static_bootstrap()` turns the dump into an
@@ -12,7 +13,7 @@ bootstrap's node and stats settings as they were. Nothing else changes but the p
 the baseline, the Wasm filter taken out of the chain, so the measured Envoy runs what istiod
 emitted without istiod (a control plane in the middle of a benchmark would only add noise).
 
-The forms (names as in the e2e test):
+The forms (names as in istiod_gateway.FORMS):
   body-rules               the default chart: EnvoyFilter, body rule chat-bulk, native header routes
   header-rules-native      header rules only: EnvoyFilter, the VirtualService decides, filter off there
   header-rules-wasmplugin  header rules with trusted sources: WasmPlugin (a TrafficExtension), the
@@ -35,28 +36,21 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[2]
+from infermesh import istiod_gateway as gw_harness
+from infermesh.chart_render import Helm, setup_outputs
+from infermesh.launcher import free_ports
 
 WASM_FILTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 BASELINE_FORM = "header-rules-wasmplugin"
 
 
-def _e2e():
-    """The e2e test's chart forms and istiod harness (imported, so the benchmark runs the same)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    import e2e.test_istiod_e2e as t
-
-    return t
-
-
 CHANGES = ("no-deadline", "no-pools")
 
 
-def _form(t, form_name: str):
-    """The e2e test's form `FORM`, or `FORM/CHANGE` (the module docstring)."""
+def _form(form_name: str) -> gw_harness.Form:
+    """The chart's form `FORM`, or `FORM/CHANGE` (the module docstring)."""
     base, _, change = form_name.partition("/")
-    form = next(f for f in t.FORMS if f.name == base)
+    form = next(f for f in gw_harness.FORMS if f.name == base)
     if change == "no-deadline":
         policy = copy.deepcopy(form.policy)
         policy["classes"]["interactive"].pop("ttft_deadline_ms", None)
@@ -69,24 +63,18 @@ def _form(t, form_name: str):
 def capture(form_name: str, sink_port: int, work: Path) -> dict:
     """The /config_dump (EDS included) of an Envoy that istiod configured as the gateway from the
     chart's `form_name` form, its pools' endpoints all `sink_port`."""
-    t = _e2e()
-    from charts.tests.helm_render import Helm  # noqa: PLC0415 (_e2e() put REPO on the path)
-
-    from infermesh.launcher import free_ports
-    form = _form(t, form_name)
-    tools = t._setup("setup-chart-tools.sh")
-    versions = dict(line.split(" ", 1) for line in (Path(tools["SCHEMAS"]) / "VERSIONS").read_text().splitlines())
-    helm = Helm(tools["HELM"], versions["kubernetes"].lstrip("v"))
-    istiod = t._setup("setup-istiod.sh")["ISTIOD"]
+    form = _form(form_name)
+    helm = Helm.from_tools(setup_outputs("setup-chart-tools.sh"))
+    istiod = gw_harness.istiod_binary()
     work.mkdir(parents=True, exist_ok=True)
     (port,) = free_ports(1)
-    objects = t.render(helm, form, port, work)
+    objects = gw_harness.render(helm, form, port, work)
     if form_name.endswith("/no-pools"):
         objects = [o for o in objects if not (o["kind"] == "EnvoyFilter" and o["metadata"]["name"].endswith("-pools"))]
     pools = [SimpleNamespace(name=o["metadata"]["labels"]["infermesh.io/pool"], http_port=sink_port, grpc_port=sink_port)
              for o in objects if o["kind"] == "Deployment" and "infermesh.io/pool" in o["metadata"].get("labels", {})]
-    config = t.on_loopback(objects, port) + t.pool_service_entries(objects, SimpleNamespace(plan=SimpleNamespace(pools=pools)))
-    gw = t.start_gateway(istiod, form, objects, config, work / "gateway", port)
+    config = gw_harness.on_loopback(objects, port) + gw_harness.pool_service_entries(objects, pools)
+    gw = gw_harness.start_gateway(istiod, form, objects, config, work / "gateway", port)
     try:
         dump = gw.config_dump()
     finally:
