@@ -1,7 +1,8 @@
 """The Helm chart: it lints, renders objects that the real Kubernetes / Istio / Prometheus
 Operator schemas accept (strictly), matches its golden files, and renders for a policy exactly
-what mesh-config's Istio generator produces for it (both assemble the policy model's parts,
-istio.chart_parts, which the chart reads from the `generated` values the CLI writes). Its routes
+what mesh-config's Istio generator produces for it (both lay out the policy model's parts,
+istio_parts.py, which the chart reads from the `generated` values the CLI writes and from
+files/istio-decisions.json; docs/istio.md). Its routes
 decide every request of a matrix as the plain-Envoy routes do. Typos in values and broken objects
 are rejected by name.
 
@@ -28,7 +29,7 @@ from helm_render import CHART, HERE, NAMESPACE, RELEASE, REPO
 from kube_schema import SchemaError
 from route_tables import Outcome, Request, envoy_outcome, filter_head_decision, istio_outcome
 
-from infermesh.meshconfig import chart_values, istio
+from infermesh.meshconfig import chart_values, istio, istio_parts
 from infermesh.meshconfig.envoy_bootstrap import bootstrap
 from infermesh.meshconfig.envoy_resources import EDGE_PATHS, STRIP_CLIENT_HEADERS, WASM_FILTER, Routing, is_grpc_method
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
@@ -93,7 +94,7 @@ def istio_options(values: dict) -> istio.IstioOptions:
     return istio.IstioOptions(
         wasm_url=f["url"], wasm_sha256=f["sha256"], name=RELEASE, namespace=NAMESPACE, cluster_domain=values["clusterDomain"],
         http_port=values["ports"]["http"], grpc_port=values["ports"]["grpc"], fail_strategy=f["failStrategy"],
-        filter_namespace=f["namespace"], filter_selector=f["selector"] or {"istio": "ingress"}, attach_to=f["attachTo"],
+        filter_namespace=f["namespace"], filter_selector=f["selector"] or dict(istio.ISTIO_DECISIONS.default_selector), attach_to=f["attachTo"],
         gateways=(f"{NAMESPACE}/{RELEASE}",) if ingress["enabled"] else (), hosts=tuple(ingress["hosts"]),
         image_pull_policy=f["imagePullPolicy"], image_pull_secret=f["imagePullSecret"], traffic_policy=values["trafficPolicy"],
         retry_budget=values["retryBudget"],
@@ -342,6 +343,29 @@ def test_bundled_policy_and_its_generated_values_are_the_repositorys():
         bundled.write_text(generated)
     assert bundled.read_text() == generated, f"{bundled.name} is stale: regenerate with INFERMESH_UPDATE_GOLDEN=1 (see this file's docstring)"
     assert "policy" not in yaml.safe_load(PRODUCTION_VALUES.read_text())
+
+
+def test_the_istio_decisions_file_is_the_models():
+    """files/istio-decisions.json is istio_parts.ISTIO_DECISIONS, which istio.py uses directly."""
+    bundled = CHART / "files" / "istio-decisions.json"
+    if os.environ.get("INFERMESH_UPDATE_GOLDEN"):
+        bundled.write_text(istio_parts.decisions_file())
+    assert bundled.read_text() == istio_parts.decisions_file(), \
+        f"{bundled.name} is stale: python -m infermesh.meshconfig.istio_parts > charts/infermesh/files/istio-decisions.json"
+
+
+# What only the model decides (istio_parts.ISTIO_DECISIONS): as a literal in a template it would
+# be a second copy.
+DECISION_LITERALS = [r"outbound\|", r"infermesh-spill", r"\bGATEWAY\b", r"SIDECAR_OUTBOUND", r"FAIL_CLOSED", r'"file://"', r'"istio" +"ingress"',
+                     r"track_remaining", r"maxConnections", r"http1MaxPendingRequests", r"http2MaxRequests", r"maxRetries", r"\bCLIENT\b",
+                     r"\bfilename\b"]
+
+
+def test_the_templates_take_every_istio_decision_from_the_model():
+    for template in sorted((CHART / "templates").iterdir()):
+        text = re.sub(r"\{\{-? */\*.*?\*/ *-?\}\}", "", template.read_text(), flags=re.S)  # (not their comments)
+        text = re.sub(r"(?m)^ *#.*$", "", text)
+        assert not [x for x in DECISION_LITERALS if re.search(x, text)], template.name
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -642,7 +666,7 @@ def test_pools_envoy_filter_says_what_istio_cannot(helm):
         if max_connections == 7:
             values["trafficPolicy"] = {"connectionPool": {"tcp": {"maxConnections": 7}}}
         opts = istio_options(values)
-        want = istio.pools_envoy_filter(istio.chart_parts(scenario_policy(values)), opts)
+        want = istio.pools_envoy_filter(istio.parts(scenario_policy(values)), opts)
         assert ef["spec"] == want["spec"], sets
         patches = ef["spec"]["configPatches"]
         ops = [p["patch"]["operation"] for p in patches if p["applyTo"] == "CLUSTER"]

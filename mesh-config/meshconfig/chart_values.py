@@ -88,7 +88,7 @@ def chart_schema(policy: dict) -> dict:
             # if/then rather than anyOf: an error in a given policy is reported as itself.
             "policy": {"type": "object", "description": "empty: the chart's files/default-policy.yaml",
                        "if": {"minProperties": 1}, "then": policy},
-            # Checked by the templates against the policy's digest (its shape is istio.chart_parts').
+            # Checked by the templates against the policy's digest (its shape is istio_parts.IstioParts.values()).
             "generated": {"type": "object", "description": "written with the policy by `infermesh policy render POLICY helm-values`, never by hand; "
                                                            "empty with an empty policy: the chart's files/default-generated.json"},
             "image": obj({

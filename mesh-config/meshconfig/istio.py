@@ -1,5 +1,5 @@
-"""The Istio resources of a policy: the plain-Envoy parts of envoy_resources.py in Istio's
-vocabulary.
+"""The Istio objects' second job: the policy's parts (istio_parts.py) with a release's names,
+namespaces, ports and the module's location, as Kubernetes objects.
 
     per pool      a Service (OpenAI HTTP front + gRPC) and a DestinationRule
     once          a front Service clients address, a VirtualService (and one for the ingress
@@ -11,12 +11,11 @@ vocabulary.
 
     infermesh policy render POLICY istio --wasm-url oci://… --wasm-sha256 HEX | kubectl apply -f -
 
-Nothing is decided here. `chart_parts()` translates what envoy_resources decides (the route table
-in order: per-pool header routes (where some route runs the filter), native header-rule routes,
-the default; the Wasm filter; the pool limits and retries) into release-independent Istio
-pieces; `resources()` and the Helm chart (charts/infermesh reads the same pieces from its `generated` values, which `infermesh policy
-render POLICY helm-values` writes) only add names, ports and where the module lives. charts/tests
-proves that the two assemblies give the same objects.
+Nothing is decided here: every value comes from the typed parts (`IstioParts`) or from
+`ISTIO_DECISIONS` (cluster names, patch context, failure policy, default selector, thresholds,
+`file://` code), both in istio_parts.py. The Helm chart (charts/infermesh) lays out the same
+objects from the same two sources (its `generated` values and files/istio-decisions.json);
+charts/tests proves the two layouts give the same objects (docs/istio.md).
 
 Degraded-mode routing (`when_degraded`) splits as in plain Envoy. Spill is Envoy's: the pools'
 EnvoyFilter gives a pool with `spill_to` the state endpoint's health check (`health_checks(grpc,
@@ -32,67 +31,33 @@ reaches them. docs/kubernetes.md, "Degraded-mode routing (`when_degraded`) in Is
 from __future__ import annotations
 
 import copy
-import decimal
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 
-from .envoy_resources import (
-    EDGE_PATHS,
-    GRPC_CONTENT_TYPE,
-    NOT_FOUND_BODY,
-    NOT_FOUND_ROUTE,
-    ORCA_HEADER,
-    POOL_LIMITS,
-    REQUEST_BUFFER_LIMIT_BYTES,
-    STRIP_CLIENT_HEADERS,
-    WASM_FILTER,
-    WASM_OFF,
-    WEIGHTED_ROUND_ROBIN,
-    MeshListener,
-    PoolEndpoint,
-    Routing,
-    circuit_breakers,
-    cluster_name,
-    common_lb_config,
-    edge_routes,
-    health_checks,
-    is_not_found,
-    local_code,
-    on_pool_header,
-    remote_code,
-    retry_policy,
-    routes,
-    uses_native_rules,
-    wasm_filter_config,
+from .istio_parts import (  # noqa: F401  (chart_parts, route_parts, helm_values, …: the CLI's and tests' names)
+    ISTIO_DECISIONS,
+    SPILL_PANIC_THRESHOLD,
+    IstioConfigError,
+    IstioParts,
+    chart_parts,
+    check_policy,
+    go_json,
+    helm_values,
+    parts,
+    policy_digest,
+    route_parts,
 )
 from .policy import Policy
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 HCM = "envoy.filters.network.http_connection_manager"
 HCM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-
-
-class IstioConfigError(ValueError):
-    """A policy or option that cannot become Istio resources; the message names the field
-    (`field`: its path in the policy, when the policy is at fault, for the file's line)."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-def check_policy(policy: Policy) -> None:
-    """Raise IstioConfigError for a policy Istio's proxy cannot run."""
-    if policy.filter.runtime != "wasm":
-        # istio-proxy loads extensions as Wasm; a dynamic module is tied to one Envoy build's ABI.
-        raise IstioConfigError("filter.runtime: Istio's proxy runs the filter as Wasm only (a native dynamic module is "
-                               "for plain Envoy, docs/filter-native-module.md): use `runtime: wasm`", field="filter.runtime")
 
 
 @dataclass(frozen=True)
@@ -119,8 +84,8 @@ class IstioOptions:
     failing every request (and, not loaded at all, leaves client-sent x-infermesh-* headers in)."""
     filter_namespace: str = "istio-ingress"
     """Namespace of the proxies that classify (a WasmPlugin/EnvoyFilter acts in its own namespace)."""
-    filter_selector: dict[str, str] = field(default_factory=lambda: {"istio": "ingress"})
-    """Labels of those proxies' pods (Istio's gateway chart labels its pods `istio: <release>`)."""
+    filter_selector: dict[str, str] = field(default_factory=lambda: dict(ISTIO_DECISIONS.default_selector))
+    """Labels of those proxies' pods (ISTIO_DECISIONS.default_selector)."""
     attach_to: Literal["gateway", "sidecar"] = "gateway"
     """`gateway`: the filter runs in ingress gateways; `sidecar`: in the outbound path of the
     selected client pods' sidecars."""
@@ -142,6 +107,11 @@ class IstioOptions:
 
     def fqdn(self, service: str) -> str:
         return f"{service}.{self.namespace}.svc.{self.cluster_domain}"
+
+    @property
+    def context(self) -> str:
+        """The EnvoyFilter patches' context."""
+        return ISTIO_DECISIONS.context_of(self.attach_to)
 
 
 def pool_service_name(opts: IstioOptions, pool: str) -> str:
@@ -174,319 +144,56 @@ def check(policy: Policy, opts: IstioOptions) -> None:
         raise IstioConfigError(f"wasm_url: {opts.wasm_url!r} must start with oci://, https://, http:// or file://")
 
 
-# -- the parts: envoy_resources' decisions in Istio's vocabulary, release-independent -----------
+# -- names: the release's -------------------------------------------------------------------------
 
 
-def envoy_form(policy: Policy) -> MeshListener:
-    """The plain-Envoy listener whose routes the VirtualService translates. Hosts, ports and the
-    module path are placeholders: only the route table's shape is read. A pool with `spill_to`
-    has its failover pool behind it as in plain Envoy (the pools' EnvoyFilter's aggregate cluster
-    puts the spill pool's cluster after the pool's), so its hedges count that priority too; for
-    any other pool a DestinationRule cannot add another Service's endpoints, so hedges go to the
-    pool's other replicas only (docs/replicas.md, "Istio")."""
-    return MeshListener(
-        listen_host="0.0.0.0", listen_port=0, admin_port=0, wasm_path=Path("infermesh.wasm"),
-        filter_config=policy.filter_config(),
-        # every pool has both fronts here, and its replicas (they count the attempts of a hedge)
-        pools=[PoolEndpoint.of(name, [("0.0.0.0", 1, 2)] * p.replicas) for name, p in policy.pools.items()],
-        default_pool=policy.default_pool,
-        routing=Routing.from_policy(policy),
-        failover=policy.failover(),
-        spill_levels=policy.spill_levels(),
-    )
+def outbound_cluster(opts: IstioOptions, pool: str, grpc: bool = False) -> str:
+    """The Envoy cluster Istio gives a pool's port."""
+    return ISTIO_DECISIONS.cluster(ISTIO_DECISIONS.outbound_cluster, opts.grpc_port if grpc else opts.http_port,
+                                   opts.fqdn(pool_service_name(opts, pool)))
 
 
-def _method_regex(method: str) -> str:
-    """`exact` with `ignore_case` (Istio's StringMatch has no ignore_case) as an RE2 pattern that
-    folds ASCII case only, as the filter's comparison does."""
-    return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else re.escape(c) for c in method)
+def spill_cluster_name(opts: IstioOptions, pool: str, grpc: bool = False) -> str:
+    """A spilling pool's aggregate cluster of one front."""
+    return ISTIO_DECISIONS.cluster(ISTIO_DECISIONS.spill_cluster, opts.grpc_port if grpc else opts.http_port,
+                                   opts.fqdn(pool_service_name(opts, pool)))
 
 
-def _string_match(sm: dict) -> dict | None:
-    if "safe_regex" in sm:
-        return {"regex": sm["safe_regex"]["regex"]}
-    if sm.get("ignore_case"):
-        return None
-    kind, = (k for k in ("exact", "prefix") if k in sm)
-    return {kind: sm[kind]}
+def probe_cluster(opts: IstioOptions, pool: str) -> str:
+    """The Envoy cluster Istio gives a pool's HTTP port (the filter's state probe calls it). For
+    a pool that also spills, the cluster health-checks the state: with every replica out of
+    rotation its panic threshold (SPILL_PANIC_THRESHOLD) still lets the probe reach them; while
+    some are in, the probe reaches those only."""
+    return outbound_cluster(opts, pool)
 
 
-def http_match(match: dict) -> dict | None:
-    """An Envoy RouteMatch as an Istio HTTPMatchRequest ({}: every request); None when Istio
-    cannot say it (two conditions on one header: a VirtualService match keys them by name)."""
-    out: dict[str, Any] = {}
-    if "path" in match:
-        out["uri"] = {"exact": match["path"]}
-    elif "safe_regex" in match:
-        out["uri"] = {"regex": match["safe_regex"]["regex"]}  # istiod: Envoy's safe_regex, the path without the query
-    elif match.get("prefix", "/") != "/":
-        out["uri"] = {"prefix": match["prefix"]}
-    headers: dict[str, dict] = {}
-    without: dict[str, dict] = {}
-    for h in match.get("headers", []):
-        name = h["name"]
-        if name in headers or name in without or (name == ":method" and "method" in out):
-            return None
-        if name == ":method":
-            sm = h["string_match"]
-            out["method"] = {"regex": _method_regex(sm["exact"])} if sm.get("ignore_case") else _string_match(sm)
-        elif "present_match" in h:
-            # An empty StringMatch is Istio's presence match; under withoutHeaders, absence.
-            (headers if h["present_match"] else without)[name] = {}
-        else:
-            sm = _string_match(h["string_match"])
-            if sm is None:
-                return None
-            headers[name] = sm
-    if headers:
-        out["headers"] = headers
-    if without:
-        out["withoutHeaders"] = without
-    return out
+def filter_object_name(opts: IstioOptions) -> str:
+    return f"{opts.name}-filter"
 
 
-def _route_part(r: dict, pools: dict[str, tuple[str, bool]]) -> dict | None:
-    """One Envoy route as {pool, grpc, wasm, http}: `http` is the VirtualService HTTPRoute
-    without its destination (the pool's Service, named per release, and its port)."""
-    match = http_match(r["match"])
-    if match is None:
-        return None
-    pool, grpc = pools[r["route"]["cluster"]]
-    retry = r["route"]["retry_policy"]
-    http: dict[str, Any] = {"name": r["name"], **({"match": [match]} if match else {})}
-    # Istio's `add` is Envoy's APPEND_IF_EXISTS_OR_ADD, `set` its OVERWRITE_IF_EXISTS_OR_ADD: each
-    # header keeps the plain-Envoy route's action (an overwrite first looks the header up).
-    request: dict[str, dict] = {}
-    for h in r.get("request_headers_to_add", []):
-        op = "add" if h.get("append_action") == "APPEND_IF_EXISTS_OR_ADD" else "set"
-        request.setdefault(op, {})[h["header"]["key"]] = h["header"]["value"]
-    # The replicas' load reports are Envoy's alone (the plain-Envoy route table removes them on
-    # its virtual host; the router reads them before either removal).
-    http["headers"] = {**({"request": request} if request else {}), "response": {"remove": [ORCA_HEADER]}}
-    # No route timeout (a streamed completion may run for minutes) is Istio's default; istiod's
-    # validation refuses an explicit "0s" (durations must be >= 1ms), so the field stays out.
-    if r["route"]["timeout"] != "0s":
-        http["timeout"] = r["route"]["timeout"]
-    http["retries"] = {"attempts": retry["num_retries"]}
-    if retry["num_retries"]:  # attempts 0: Istio emits no retry policy at all (the patch adds it)
-        http["retries"] |= {"retryOn": retry["retry_on"], **({"perTryTimeout": retry["per_try_timeout"]} if "per_try_timeout" in retry else {})}
-    return {"pool": pool, "grpc": grpc, "wasm": WASM_FILTER not in r.get("typed_per_filter_config", {}), "http": http,
-            "envoyRoute": envoy_route_patch(r["route"])}
-
-
-def envoy_route_patch(action: dict) -> dict:
-    """What the VirtualService cannot say of a route's retries, as an HTTP_ROUTE MERGE: the
-    whole plain-Envoy retry policy (previous_priorities with its update frequency, the host
-    selection attempts, the back-off's maximum; with a deadline the per-try timeout even where
-    Istio drops the policy, at 0 attempts) and the hedge policy. Not the previous_hosts predicate
-    where Istio emits its own (any attempts): a MERGE appends lists, and one is enough."""
-    retry = copy.deepcopy(action["retry_policy"])
-    if retry["num_retries"]:
-        del retry["retry_host_predicate"]
-    out: dict[str, Any] = {"retry_policy": retry}
-    if "hedge_policy" in action:
-        out["hedge_policy"] = copy.deepcopy(action["hedge_policy"])
-    return {"route": out}
-
-
-def route_parts(policy: Policy) -> list[dict]:
-    """The VirtualService's routes, in the order of the plain-Envoy route table.
-
-    A route Istio cannot express ends the list with a catch-all pair that runs the filter (it
-    decides with every rule, so the first match still wins), as the plain-Envoy table does for
-    a rule only the filter can judge. Where no route runs the filter, the pool-header routes are
-    left out: with native rules the early header mutation removes a client's pool header and
-    nothing sets one before routing, so no request can reach them, and each would cost every
-    request its header lookups (docs/filter-benchmark.md, the Istio header-only form)."""
-    m = envoy_form(policy)
-    pools = {cluster_name(p, grpc): (p, grpc) for p in policy.pools for grpc in (False, True)}
-    out: list[tuple[bool, dict]] = []  # (the route matches on the pool header, its part)
-    for r in routes(m):
-        if is_not_found(r):
-            break  # the edge's 404 (`not_found_part`), after the routes
-        part = _route_part(r, pools)
-        if part is None:
-            base = r["name"].removesuffix("-grpc").removeprefix("rule-")
-            catch_all = [{"name": f"filter-{base}{suffix}", "match": match,
-                          "route": {"cluster": cluster_name(policy.default_pool, grpc), "timeout": "0s", "retry_policy": retry_policy()}}
-                         for suffix, grpc, match in (("-grpc", True, {"prefix": "/", "headers": [GRPC_CONTENT_TYPE]}),
-                                                     ("", False, {"prefix": "/"}))]
-            out += [(False, _route_part(c, pools)) for c in edge_routes(catch_all, m.public_paths)]
-            break
-        out.append((on_pool_header(r), part))
-    if uses_native_rules(m) and not any(part["wasm"] for on_pool_header, part in out if not on_pool_header):
-        out = [x for x in out if not x[0]]
-    merged: list[dict] = []
-    for _, part in out:  # a route narrowed to several path patterns: one HTTPRoute, one match each
-        if merged and merged[-1]["http"]["name"] == part["http"]["name"]:
-            merged[-1]["http"]["match"] += part["http"]["match"]
-        else:
-            merged.append(part)
-    return merged
-
-
-def not_found_part() -> dict:
-    """The VirtualService's last route: plain Envoy's `not_found_route`, Envoy's JSON 404 for any
-    path the edge does not serve (the filter turned off on it in the EnvoyFilter form)."""
-    return {"name": NOT_FOUND_ROUTE, "directResponse": {"status": 404, "body": {"string": NOT_FOUND_BODY}},
-            "headers": {"response": {"set": {"content-type": "application/json"}}}}
-
-
-def traffic_policy() -> dict:
-    """envoy_resources' pool limits and outlier detection as a DestinationRule trafficPolicy.
-    5xx counting off (`consecutive5xxErrors: 0`) and gateway errors unset (off): a sidecar
-    answering 429/503 is shedding on purpose."""
-    lim = POOL_LIMITS
-    return {
-        "connectionPool": {
-            "tcp": {"maxConnections": lim.max_connections, "connectTimeout": lim.connect_timeout},
-            "http": {"http1MaxPendingRequests": lim.max_pending_requests, "http2MaxRequests": lim.max_requests, "maxRetries": lim.max_retries},
-        },
-        "outlierDetection": {
-            "splitExternalLocalOriginErrors": True,
-            "consecutiveLocalOriginFailures": lim.consecutive_local_origin_failures,
-            "consecutive5xxErrors": 0,
-            "interval": lim.ejection_interval,
-            "baseEjectionTime": lim.base_ejection_time,
-            "maxEjectionPercent": lim.max_ejection_percent,
-        },
-    }
-
-
-def chart_parts(policy: Policy) -> dict:
-    """Everything the Istio objects take from the policy, with no release, namespace or port in
-    it: the chart's `generated` values (without the policy digest) and what resources() builds on.
-
-        defaultPool   the default class's pool (the front Service selects its pods)
-        pools         per pool: replicas, GPU, the model ladder's names, whether it has local models
-        filter        form (EnvoyFilter | WasmPlugin), the Wasm filter config without the
-                      module's URL and digest and without a failure policy, the HCM patch that
-                      strips client x-infermesh-* headers before routing (native rules only)
-        routes        the VirtualService's routes: {pool, grpc, wasm (the filter runs), http,
-                      envoyRoute (the pools' EnvoyFilter's HTTP_ROUTE patch: retries, hedging)}
-        edge          paths: the only paths any route serves (envoy_resources.EDGE_PATHS; the
-                      gateway's AuthorizationPolicy denies the others, the pools' admits only
-                      these from allowedNamespaces); notFound: the last route, a JSON 404
-        routeSettings what every route gets in the EnvoyFilter form (the body buffer)
-        wasmOff       the per-route config that turns the filter off
-        trafficPolicy the DestinationRules' connection limits and outlier detection
-        poolCluster   the pools' EnvoyFilter's CLUSTER patch: the load-balancing policy
-        retryBudget   the plain-Envoy clusters' retry budget (a circuit-breaker threshold's)
-        spill         per pool with `when_degraded.spill_to`: {to (the spill pool), atLevel,
-                      cluster: {http, grpc} (the CLUSTER MERGE of its two clusters: the state
-                      endpoint's health check from atLevel on, panic mode back on at 1 %)}
-        spillCluster  the aggregate cluster of a spilling pool's front, without its name and
-                      its two clusters (the pool's, then the spill pool's; release-dependent)
-    """
-    check_policy(policy)
-    m = envoy_form(policy)
-    native = uses_native_rules(m)
-    # No probe clusters here: their names hold the release and namespace (plugin_config below,
-    # the chart's filter.yaml adds the same). The filter's degraded_routing lists only pools that
-    # shed; spill is Envoy's (the `spill` parts: health check and aggregate cluster).
-    wasm = wasm_filter_config(policy.filter_config(probe_clusters={}), remote_code("", ""))
-    del wasm["config"]["failure_policy"]
-    return {
-        "defaultPool": policy.default_pool,
-        "pools": {name: {"replicas": p.replicas, "gpu": {"type": p.gpu.type, "count": p.gpu.count},
-                         "models": [x.name for x in p.models], "localModels": any(x.path is None for x in p.models)}
-                  for name, p in sorted(policy.pools.items())},
-        "filter": {
-            # Only an EnvoyFilter can set allow_on_headers_stop_iteration (body rules) and names
-            # the filter itself, so routes can turn it off (a WasmPlugin's name in the chain is
-            # Istio's own and changes between versions).
-            "form": "EnvoyFilter" if policy.needs_body or native else "WasmPlugin",
-            "wasm": wasm,
-            "earlyHeaderMutation": copy.deepcopy(STRIP_CLIENT_HEADERS) if native else [],
-        },
-        "routes": route_parts(policy),
-        "edge": {"paths": list(m.public_paths), "notFound": not_found_part()},
-        "routeSettings": {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES} if policy.needs_body else {},
-        "wasmOff": copy.deepcopy(WASM_OFF[WASM_FILTER]),
-        "trafficPolicy": traffic_policy(),
-        "poolCluster": {"load_balancing_policy": WEIGHTED_ROUND_ROBIN.policy()},
-        "retryBudget": circuit_breakers(POOL_LIMITS)["thresholds"][0]["retry_budget"],
-        "spill": spill_parts(policy),
-        "spillCluster": copy.deepcopy(SPILL_CLUSTER),
-    }
-
-
-SPILL_PANIC_THRESHOLD = 1
-"""healthy_panic_threshold (%) of a spilling pool's clusters. Istio sets 0 (panic off) where
-outlier detection is on; then, with every replica failing the state health check, the filter's
-probe through `outbound|PORT||HOST` would find no host and both pools down would fail every
-request. 1 %: panic (every host, healthy or not) only once no replica is in rotation (fewer than
-1 in 100), which is exactly when the aggregate cluster sends the pool nothing unless the spill pool
-is out too. Envoy rounds the percentage to an integer: 1 is the least that is not off."""
-
-SPILL_CLUSTER = {
-    "connect_timeout": POOL_LIMITS.connect_timeout,
-    "lb_policy": "CLUSTER_PROVIDED",
-    "cluster_type": {"name": "envoy.clusters.aggregate",
-                     "typed_config": {"@type": "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig"}},
-}
-"""A spilling pool's aggregate cluster, less its name and clusters: Envoy balances over the
-priorities of the two clusters as over one cluster's (the pool's at priority 0, the spill pool's
-next, with the overprovisioning factor 1.4) and picks the host with the chosen cluster's own load
-balancer; connections, limits and stats are the chosen cluster's, except max_retries, which the
-router takes from the aggregate too (pools_envoy_filter gives it the pools' threshold)."""
-
-
-def spill_parts(policy: Policy) -> dict:
-    """Per pool with `when_degraded.spill_to`: the spill pool, the level, and the CLUSTER MERGE
-    of its HTTP and gRPC clusters (envoy_resources' state health checks, panic mode at 1 %)."""
-    levels = policy.spill_levels()
-    return {pool: {"to": to, "atLevel": levels[pool],
-                   "cluster": {front: {"health_checks": health_checks(grpc, below_level=levels[pool]),
-                                       "common_lb_config": common_lb_config(SPILL_PANIC_THRESHOLD)}
-                               for front, grpc in (("http", False), ("grpc", True))}}
-            for pool, to in sorted(policy.failover().items())}
-
-
-def go_json(value: Any) -> str:
-    """`value` as Helm's toJson writes it (Go's encoding/json: keys sorted, no spaces, <, > and &
-    escaped, numbers as float64), so a digest taken here equals one the chart takes."""
-    def number(x: int | float) -> str:
-        if isinstance(x, int) or (x.is_integer() and abs(x) < 1e21):
-            return str(int(x))
-        if 1e-6 <= abs(x) < 1e21:
-            return format(decimal.Decimal(repr(x)), "f")
-        return re.sub(r"e([+-])0*(\d)", r"e\1\2", repr(x))
-
-    def enc(v: Any) -> str:
-        if v is None or isinstance(v, (bool, str)):
-            return json.dumps(v, ensure_ascii=False)
-        if isinstance(v, (int, float)):
-            return number(v)
-        if isinstance(v, dict):
-            return "{" + ",".join(f"{enc(str(k))}:{enc(v[k])}" for k in sorted(v, key=str)) + "}"
-        return "[" + ",".join(enc(x) for x in v) + "]"
-
-    out = enc(value)
-    for c, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
-        out = out.replace(c, esc)
-    return out
-
-
-def policy_digest(raw_policy: dict) -> str:
-    """SHA-256 of the policy as Helm sees it (`sha256sum (toJson .Values.policy)`): the chart
-    refuses generated values whose policy was edited after they were written."""
-    return hashlib.sha256(go_json(raw_policy).encode()).hexdigest()
-
-
-def helm_values(policy: Policy, raw_policy: dict) -> dict:
-    """The chart values for a policy: the policy as written, and what the chart takes from the
-    policy model (`infermesh policy render POLICY helm-values`)."""
-    return {"policy": raw_policy, "generated": {"policySha256": policy_digest(raw_policy), **chart_parts(policy)}}
-
-
-# -- the objects: the parts, with names, ports and the module's location added -----------------
-# (charts/infermesh/templates assemble the same parts the same way.)
+def filter_chain_name(opts: IstioOptions) -> str:
+    """The EnvoyFilter form's name for the filter in the chain (and of its extension config)."""
+    return f"{opts.filter_namespace}.{filter_object_name(opts)}"
 
 
 def _meta(name: str, namespace: str, opts: IstioOptions, extra_labels: dict[str, str] | None = None) -> dict:
     base = {"app.kubernetes.io/name": "infermesh", "app.kubernetes.io/instance": opts.name}
     return {"name": name, "namespace": namespace, "labels": base | (extra_labels or {})}
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`over` merged into a copy of `base` map by map (Helm's mergeOverwrite)."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def _route_match(opts: IstioOptions, route: str) -> dict:
+    return {"context": opts.context, "routeConfiguration": {"vhost": {"route": {"name": route}}}}
+
+
+# -- the objects ------------------------------------------------------------------------------------
 
 
 def _service(opts: IstioOptions, name: str, selector: dict[str, str], extra_labels: dict[str, str]) -> dict:
@@ -505,108 +212,33 @@ def _service(opts: IstioOptions, name: str, selector: dict[str, str], extra_labe
     }
 
 
-def services(parts: dict, opts: IstioOptions) -> list[dict]:
+def services(p: IstioParts, opts: IstioOptions) -> list[dict]:
     """The front Service, then one Service per pool.
 
     The front Service is the name clients call; the VirtualService decides the pool. It selects
     the default pool's pods, so a caller whose proxy applies no route lands where a request
     without a pool header lands in plain Envoy.
     """
-    out = [_service(opts, opts.name, labels(opts, parts["defaultPool"]), {"app.kubernetes.io/component": "front"})]
-    for pool in parts["pools"]:
+    out = [_service(opts, opts.name, labels(opts, p.default_pool), {"app.kubernetes.io/component": "front"})]
+    for pool in p.pools:
         out.append(_service(opts, pool_service_name(opts, pool), labels(opts, pool),
                             {"app.kubernetes.io/component": "sidecar", "infermesh.io/pool": pool}))
     return out
 
 
-def http_routes(parts: dict, opts: IstioOptions) -> list[dict]:
+def http_routes(p: IstioParts, opts: IstioOptions) -> list[dict]:
     """The VirtualService's routes: each route part with its pool's Service and port. Route
     names are envoy_resources' (`class-pool-POOL`, `rule-RULE`, `filter-RULE`, `default-pool`),
     `-grpc` marking the gRPC twin, which goes to the pool's gRPC port."""
     out = []
-    for part in parts["routes"]:
-        port = opts.grpc_port if part["grpc"] else opts.http_port
-        dest = {"destination": {"host": opts.fqdn(pool_service_name(opts, part["pool"])), "port": {"number": port}}}
-        out.append(copy.deepcopy(part["http"]) | {"route": [dest]})
-    return out + [copy.deepcopy(parts["edge"]["notFound"])]
+    for route in p.routes:
+        port = opts.grpc_port if route.grpc else opts.http_port
+        dest = {"destination": {"host": opts.fqdn(pool_service_name(opts, route.pool)), "port": {"number": port}}}
+        out.append(copy.deepcopy(route.http) | {"route": [dest]})
+    return out + [copy.deepcopy(p.not_found)]
 
 
-def pool_thresholds(parts: dict, opts: IstioOptions) -> list[dict]:
-    """The pool clusters' circuit-breaker thresholds as istiod builds them from the
-    DestinationRule's connectionPool (values overrides included), plus the retry budget: a
-    threshold list replaces Istio's (Envoy reads only the first threshold of a priority)."""
-    pool = _merged(parts["trafficPolicy"], opts.traffic_policy)["connectionPool"]
-    return [{"max_connections": pool["tcp"]["maxConnections"], "max_pending_requests": pool["http"]["http1MaxPendingRequests"],
-             "max_requests": pool["http"]["http2MaxRequests"], "max_retries": pool["http"]["maxRetries"],
-             "retry_budget": copy.deepcopy(parts["retryBudget"]), "track_remaining": True}]
-
-
-def outbound_cluster(opts: IstioOptions, pool: str, grpc: bool = False) -> str:
-    """The Envoy cluster Istio gives a pool's port: `outbound|PORT||HOST`."""
-    return f"outbound|{opts.grpc_port if grpc else opts.http_port}||{opts.fqdn(pool_service_name(opts, pool))}"
-
-
-def spill_cluster_name(opts: IstioOptions, pool: str, grpc: bool = False) -> str:
-    """A spilling pool's aggregate cluster of one front: `infermesh-spill|PORT||HOST` (an ADDed
-    cluster: Istio applies no CLUSTER MERGE to it, though its name parses as the pool's)."""
-    return "infermesh-spill" + outbound_cluster(opts, pool, grpc).removeprefix("outbound")
-
-
-def spill_clusters(parts: dict, opts: IstioOptions) -> list[dict]:
-    """Per spilling pool and front, its aggregate cluster: the pool's Istio cluster, then the
-    spill pool's; the pools' circuit-breaker threshold (the router counts retries and hedges
-    against the aggregate's max_retries as well, Envoy's default 3 otherwise)."""
-    threshold = pool_thresholds(parts, opts)
-    if not opts.retry_budget:
-        del threshold[0]["retry_budget"]
-    out = []
-    for pool, spill in parts["spill"].items():
-        for grpc in (False, True):
-            c = {"name": spill_cluster_name(opts, pool, grpc), **copy.deepcopy(parts["spillCluster"])}
-            c["cluster_type"]["typed_config"]["clusters"] = [outbound_cluster(opts, pool, grpc), outbound_cluster(opts, spill["to"], grpc)]
-            c["circuit_breakers"] = {"thresholds": copy.deepcopy(threshold)}
-            out.append(c)
-    return out
-
-
-def pools_envoy_filter(parts: dict, opts: IstioOptions) -> dict:
-    """The pools' EnvoyFilter, in the proxies that route (the filter's): per pool its clusters'
-    load-balancing policy (client-side weighted round robin on the replicas' ORCA reports: a
-    DestinationRule's loadBalancer has no such choice) and the retry budget (its connectionPool
-    has none); per route the retry and hedge policy the VirtualService cannot say. Per pool with
-    `when_degraded.spill_to` (Envoy spills, not the filter): the state endpoint's health check on
-    its two clusters (`port_number` picks the front), an aggregate cluster per front, and its
-    routes sent to that aggregate (the VirtualService can only name the pool's Service)."""
-    context = "GATEWAY" if opts.attach_to == "gateway" else "SIDECAR_OUTBOUND"
-    patches: list[dict] = []
-    for pool in parts["pools"]:
-        match = {"context": context, "cluster": {"service": opts.fqdn(pool_service_name(opts, pool))}}
-        patches.append({"applyTo": "CLUSTER", "match": match, "patch": {"operation": "MERGE", "value": copy.deepcopy(parts["poolCluster"])}})
-        if opts.retry_budget:
-            patches.append({"applyTo": "CLUSTER", "match": copy.deepcopy(match), "patch": {
-                "operation": "MERGE_AND_REPLACE_LIST", "value": {"circuit_breakers": {"thresholds": pool_thresholds(parts, opts)}}}})
-        if pool in parts["spill"]:
-            for front, port in (("http", opts.http_port), ("grpc", opts.grpc_port)):
-                patches.append({"applyTo": "CLUSTER", "match": {"context": context, "cluster": {**match["cluster"], "portNumber": port}},
-                                "patch": {"operation": "MERGE", "value": copy.deepcopy(parts["spill"][pool]["cluster"][front])}})
-    for c in spill_clusters(parts, opts):
-        patches.append({"applyTo": "CLUSTER", "match": {"context": context}, "patch": {"operation": "ADD", "value": c}})
-    for route in parts["routes"]:
-        value = copy.deepcopy(route["envoyRoute"])
-        if route["pool"] in parts["spill"]:
-            value["route"]["cluster"] = spill_cluster_name(opts, route["pool"], route["grpc"])
-        patches.append({"applyTo": "HTTP_ROUTE",
-                        "match": {"context": context, "routeConfiguration": {"vhost": {"route": {"name": route["http"]["name"]}}}},
-                        "patch": {"operation": "MERGE", "value": value}})
-    return {
-        "apiVersion": "networking.istio.io/v1alpha3",
-        "kind": "EnvoyFilter",
-        "metadata": _meta(f"{opts.name}-pools", opts.filter_namespace, opts),
-        "spec": {"workloadSelector": {"labels": dict(opts.filter_selector)}, "configPatches": patches},
-    }
-
-
-def virtual_services(parts: dict, opts: IstioOptions) -> list[dict]:
+def virtual_services(p: IstioParts, opts: IstioOptions) -> list[dict]:
     """The mesh's VirtualService (the front Service's name), and one for the gateways if any.
 
     Two objects because Istio refuses a wildcard host on a VirtualService bound to the mesh.
@@ -616,7 +248,7 @@ def virtual_services(parts: dict, opts: IstioOptions) -> list[dict]:
             "apiVersion": "networking.istio.io/v1",
             "kind": "VirtualService",
             "metadata": _meta(name, opts.namespace, opts),
-            "spec": {"hosts": hosts, "gateways": gateways, "http": http_routes(parts, opts)},
+            "spec": {"hosts": hosts, "gateways": gateways, "http": http_routes(p, opts)},
         }
 
     out = [vs(opts.name, [opts.fqdn(opts.name)], ["mesh"])]
@@ -625,54 +257,86 @@ def virtual_services(parts: dict, opts: IstioOptions) -> list[dict]:
     return out
 
 
-def _merged(base: dict, over: dict) -> dict:
-    """`over` merged into a copy of `base` map by map (Helm's mergeOverwrite)."""
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
-
-
-def destination_rules(parts: dict, opts: IstioOptions) -> list[dict]:
+def destination_rules(p: IstioParts, opts: IstioOptions) -> list[dict]:
     out = []
-    for pool in parts["pools"]:
+    for pool in p.pools:
         name = pool_service_name(opts, pool)
         out.append({
             "apiVersion": "networking.istio.io/v1",
             "kind": "DestinationRule",
             "metadata": _meta(name, opts.namespace, opts, {"infermesh.io/pool": pool}),
-            "spec": {"host": opts.fqdn(name), "trafficPolicy": _merged(parts["trafficPolicy"], opts.traffic_policy)},
+            "spec": {"host": opts.fqdn(name), "trafficPolicy": _merged(p.traffic_policy, opts.traffic_policy)},
         })
     return out
 
 
-def filter_object_name(opts: IstioOptions) -> str:
-    return f"{opts.name}-filter"
+def pool_thresholds(p: IstioParts, opts: IstioOptions, *, retry_budget: bool = True) -> list[dict]:
+    """The pool clusters' circuit-breaker thresholds as istiod builds them from the
+    DestinationRule's connectionPool (values overrides included), plus the retry budget: a
+    threshold list replaces Istio's (Envoy reads only the first threshold of a priority)."""
+    pool = _merged(p.traffic_policy, opts.traffic_policy)["connectionPool"]
+    return [ISTIO_DECISIONS.threshold(pool, p.retry_budget if retry_budget else None)]
 
 
-def filter_chain_name(opts: IstioOptions) -> str:
-    """The EnvoyFilter form's name for the filter in the chain (and of its extension config)."""
-    return f"{opts.filter_namespace}.{filter_object_name(opts)}"
+def spill_clusters(p: IstioParts, opts: IstioOptions) -> list[dict]:
+    """Per spilling pool and front, its aggregate cluster: the pool's Istio cluster, then the
+    spill pool's; the pools' circuit-breaker threshold (the router counts retries and hedges
+    against the aggregate's max_retries as well, Envoy's default 3 otherwise)."""
+    threshold = pool_thresholds(p, opts, retry_budget=opts.retry_budget)
+    out = []
+    for pool, spill in p.spill.items():
+        for grpc in (False, True):
+            c = {"name": spill_cluster_name(opts, pool, grpc), **copy.deepcopy(p.spill_cluster)}
+            c["cluster_type"]["typed_config"]["clusters"] = [outbound_cluster(opts, pool, grpc), outbound_cluster(opts, spill.to, grpc)]
+            c["circuit_breakers"] = {"thresholds": copy.deepcopy(threshold)}
+            out.append(c)
+    return out
 
 
-def probe_cluster(opts: IstioOptions, pool: str) -> str:
-    """The Envoy cluster Istio gives a pool's HTTP port: `outbound|PORT||HOST` (the filter's
-    state probe calls it). For a pool that also spills, the cluster health-checks the state: with
-    every replica out of rotation its panic threshold (SPILL_PANIC_THRESHOLD) still lets the probe
-    reach them; while some are in, the probe reaches those only."""
-    return outbound_cluster(opts, pool)
+def pools_envoy_filter(p: IstioParts, opts: IstioOptions) -> dict:
+    """The pools' EnvoyFilter, in the proxies that route (the filter's): per pool its clusters'
+    load-balancing policy (client-side weighted round robin on the replicas' ORCA reports: a
+    DestinationRule's loadBalancer has no such choice) and the retry budget (its connectionPool
+    has none); per route the retry and hedge policy the VirtualService cannot say. Per pool with
+    `when_degraded.spill_to` (Envoy spills, not the filter): the state endpoint's health check on
+    its two clusters (`port_number` picks the front), an aggregate cluster per front, and its
+    routes sent to that aggregate (the VirtualService can only name the pool's Service)."""
+    patches: list[dict] = []
+    for pool in p.pools:
+        match = {"context": opts.context, "cluster": {"service": opts.fqdn(pool_service_name(opts, pool))}}
+        patches.append({"applyTo": "CLUSTER", "match": match, "patch": {"operation": "MERGE", "value": copy.deepcopy(p.pool_cluster)}})
+        if opts.retry_budget:
+            patches.append({"applyTo": "CLUSTER", "match": copy.deepcopy(match), "patch": {
+                "operation": "MERGE_AND_REPLACE_LIST", "value": {"circuit_breakers": {"thresholds": pool_thresholds(p, opts)}}}})
+        if pool in p.spill:
+            for front, port in (("http", opts.http_port), ("grpc", opts.grpc_port)):
+                patches.append({"applyTo": "CLUSTER", "match": {"context": opts.context, "cluster": {**match["cluster"], "portNumber": port}},
+                                "patch": {"operation": "MERGE", "value": copy.deepcopy(p.spill[pool].cluster[front])}})
+    for c in spill_clusters(p, opts):
+        patches.append({"applyTo": "CLUSTER", "match": {"context": opts.context}, "patch": {"operation": "ADD", "value": c}})
+    for route in p.routes:
+        value = copy.deepcopy(route.envoy_route)
+        if route.pool in p.spill:
+            value["route"]["cluster"] = spill_cluster_name(opts, route.pool, route.grpc)
+        patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(opts, route.name), "patch": {"operation": "MERGE", "value": value}})
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": _meta(f"{opts.name}-pools", opts.filter_namespace, opts),
+        "spec": {"workloadSelector": {"labels": dict(opts.filter_selector)}, "configPatches": patches},
+    }
 
 
-def plugin_config(parts: dict, opts: IstioOptions) -> dict:
+def plugin_config(p: IstioParts, opts: IstioOptions) -> dict:
     """The filter's own JSON config (Policy.filter_config()), as the Wasm filter carries it, with
     the probe cluster of each pool degraded-mode routing watches."""
-    cfg = json.loads(parts["filter"]["wasm"]["config"]["configuration"]["value"])
-    for pool, p in cfg.get("degraded_routing", {}).get("pools", {}).items():
-        p["probe_cluster"] = probe_cluster(opts, pool)
+    cfg = json.loads(p.filter.wasm["config"]["configuration"]["value"])
+    for pool, c in cfg.get("degraded_routing", {}).get("pools", {}).items():
+        c["probe_cluster"] = probe_cluster(opts, pool)
     return cfg
 
 
-def wasm_plugin(parts: dict, opts: IstioOptions) -> dict:
+def wasm_plugin(p: IstioParts, opts: IstioOptions) -> dict:
     """The filter as a WasmPlugin: policies whose rules decide on headers and that the filter
     decides on every request (native rules off: trusted sources)."""
     spec: dict = {
@@ -686,10 +350,10 @@ def wasm_plugin(parts: dict, opts: IstioOptions) -> dict:
         "type": "HTTP",
         # No phase: Istio then inserts it after authentication and authorization (before its own
         # stats, fault and CORS filters), so a request that is refused anyway is never classified.
-        "pluginConfig": plugin_config(parts, opts),
+        "pluginConfig": plugin_config(p, opts),
     }
-    if opts.attach_to == "sidecar":
-        spec["match"] = [{"mode": "CLIENT"}]
+    if match := dict(ISTIO_DECISIONS.wasm_plugin_match)[opts.attach_to]:
+        spec["match"] = [dict(m) for m in match]
     return {
         "apiVersion": "extensions.istio.io/v1alpha1",
         "kind": "WasmPlugin",
@@ -698,22 +362,21 @@ def wasm_plugin(parts: dict, opts: IstioOptions) -> dict:
     }
 
 
-def wasm_extension_config(parts: dict, opts: IstioOptions) -> dict:
+def wasm_extension_config(p: IstioParts, opts: IstioOptions) -> dict:
     """The Wasm filter the EnvoyFilter delivers: envoy_resources' filter with remote code, which
     the Istio agent fetches (HTTP or OCI), checks against the sha256 and hands Envoy as a file."""
-    wasm = copy.deepcopy(parts["filter"]["wasm"])
-    wasm["config"]["failure_policy"] = "FAIL_OPEN" if opts.fail_strategy == "FAIL_OPEN" else "FAIL_CLOSED"
-    cfg = plugin_config(parts, opts)
+    wasm = copy.deepcopy(p.filter.wasm)
+    wasm["config"]["failure_policy"] = dict(ISTIO_DECISIONS.failure_policy)[opts.fail_strategy]
+    cfg = plugin_config(p, opts)
     if "degraded_routing" in cfg:  # written again, as the chart's toJson writes it
         wasm["config"]["configuration"]["value"] = go_json(cfg)
     remote = wasm["config"]["vm_config"]["code"]["remote"]
     remote["http_uri"]["uri"], remote["sha256"] = opts.wasm_url, opts.wasm_sha256
-    if opts.wasm_url.startswith("file://"):  # on the proxy's disk: Envoy reads it (the agent would refuse it)
-        wasm["config"]["vm_config"]["code"] = local_code(opts.wasm_url.removeprefix("file://"))
+    wasm["config"]["vm_config"]["code"] = ISTIO_DECISIONS.code(opts.wasm_url, wasm["config"]["vm_config"]["code"])
     return wasm
 
 
-def envoy_filter(parts: dict, opts: IstioOptions) -> dict:
+def envoy_filter(p: IstioParts, opts: IstioOptions) -> dict:
     """The filter as an EnvoyFilter, with what the VirtualService cannot say.
 
     The Wasm filter config as an extension config (ECDS, so the agent can fetch the module); the
@@ -722,36 +385,32 @@ def envoy_filter(parts: dict, opts: IstioOptions) -> dict:
     chosen; and per route, the body buffer (body rules) and, on natively decided routes, the
     filter turned off.
     """
-    context = "GATEWAY" if opts.attach_to == "gateway" else "SIDECAR_OUTBOUND"
     name = filter_chain_name(opts)
-    hcm_match = {"context": context, "listener": {"filterChain": {"filter": {"name": HCM}}}}
+    hcm_match = {"context": opts.context, "listener": {"filterChain": {"filter": {"name": HCM}}}}
     patches: list[dict] = [
         {"applyTo": "EXTENSION_CONFIG",
-         "patch": {"operation": "ADD", "value": {"name": name, "typed_config": wasm_extension_config(parts, opts)}}},
+         "patch": {"operation": "ADD", "value": {"name": name, "typed_config": wasm_extension_config(p, opts)}}},
         {"applyTo": "HTTP_FILTER",
-         "match": {"context": context, "listener": {"filterChain": {"filter": {"name": HCM, "subFilter": {"name": "envoy.filters.http.router"}}}}},
+         "match": {"context": opts.context, "listener": {"filterChain": {"filter": {"name": HCM, "subFilter": {"name": "envoy.filters.http.router"}}}}},
          "patch": {"operation": "INSERT_BEFORE", "value": {
              "name": name,
              # initial_fetch_timeout 0s: a listener waits for the filter instead of serving
              # its first requests without it.
              "config_discovery": {"config_source": {"ads": {}, "initial_fetch_timeout": "0s"},
-                                  "type_urls": [parts["filter"]["wasm"]["@type"]]}}}},
+                                  "type_urls": [p.filter.wasm["@type"]]}}}},
     ]
-    if parts["filter"]["earlyHeaderMutation"]:
+    if p.filter.early_header_mutation:
         patches.append({"applyTo": "NETWORK_FILTER", "match": hcm_match, "patch": {"operation": "MERGE", "value": {
-            "typed_config": {"@type": HCM_TYPE_URL, "early_header_mutation_extensions": copy.deepcopy(parts["filter"]["earlyHeaderMutation"])}}}})
-    for route in parts["routes"]:
-        value = copy.deepcopy(parts["routeSettings"])
-        if not route["wasm"]:
-            value["typed_per_filter_config"] = {name: copy.deepcopy(parts["wasmOff"])}
+            "typed_config": {"@type": HCM_TYPE_URL, "early_header_mutation_extensions": copy.deepcopy(p.filter.early_header_mutation)}}}})
+    for route in p.routes:
+        value = copy.deepcopy(p.route_settings)
+        if not route.wasm:
+            value["typed_per_filter_config"] = {name: copy.deepcopy(p.wasm_off)}
         if value:
-            patches.append({"applyTo": "HTTP_ROUTE",
-                            "match": {"context": context, "routeConfiguration": {"vhost": {"route": {"name": route["http"]["name"]}}}},
-                            "patch": {"operation": "MERGE", "value": value}})
+            patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(opts, route.name), "patch": {"operation": "MERGE", "value": value}})
     # The edge's 404: never classified, buffered or shed, as in plain Envoy.
-    patches.append({"applyTo": "HTTP_ROUTE",
-                    "match": {"context": context, "routeConfiguration": {"vhost": {"route": {"name": parts["edge"]["notFound"]["name"]}}}},
-                    "patch": {"operation": "MERGE", "value": {"typed_per_filter_config": {name: copy.deepcopy(parts["wasmOff"])}}}})
+    patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(opts, p.not_found["name"]),
+                    "patch": {"operation": "MERGE", "value": {"typed_per_filter_config": {name: copy.deepcopy(p.wasm_off)}}}})
     return {
         "apiVersion": "networking.istio.io/v1alpha3",
         "kind": "EnvoyFilter",
@@ -760,7 +419,7 @@ def envoy_filter(parts: dict, opts: IstioOptions) -> dict:
     }
 
 
-def edge_authorization_policies(parts: dict, opts: IstioOptions) -> list[dict]:
+def edge_authorization_policies(p: IstioParts, opts: IstioOptions) -> list[dict]:
     """With the routes bound to a gateway and the filter in it (`attach_to: gateway`; then
     `filter_namespace`/`filter_selector` are the gateway's pods): a DENY in the gateway for every
     path of the VirtualService's hosts that the edge does not serve. Istio's RBAC runs before the
@@ -774,21 +433,21 @@ def edge_authorization_policies(parts: dict, opts: IstioOptions) -> list[dict]:
         "kind": "AuthorizationPolicy",
         "metadata": _meta(f"{opts.name}-edge", opts.filter_namespace, opts),
         "spec": {"selector": {"matchLabels": dict(opts.filter_selector)}, "action": "DENY",
-                 "rules": [{"to": [{"operation": {"hosts": list(opts.hosts), "notPaths": list(parts["edge"]["paths"])}}]}]},
+                 "rules": [{"to": [{"operation": {"hosts": list(opts.hosts), "notPaths": list(p.edge_paths)}}]}]},
     }]
 
 
-def filter_object(parts: dict, opts: IstioOptions) -> dict:
-    return envoy_filter(parts, opts) if parts["filter"]["form"] == "EnvoyFilter" else wasm_plugin(parts, opts)
+def filter_object(p: IstioParts, opts: IstioOptions) -> dict:
+    return envoy_filter(p, opts) if p.filter.form == "EnvoyFilter" else wasm_plugin(p, opts)
 
 
 def resources(policy: Policy, opts: IstioOptions) -> list[dict]:
     """Every object, in a stable order: Services, DestinationRules, VirtualServices, the filter,
     the pools' EnvoyFilter, the gateway's edge AuthorizationPolicy."""
     check(policy, opts)
-    parts = chart_parts(policy)
-    return [*services(parts, opts), *destination_rules(parts, opts), *virtual_services(parts, opts), filter_object(parts, opts),
-            pools_envoy_filter(parts, opts), *edge_authorization_policies(parts, opts)]
+    p = parts(policy)
+    return [*services(p, opts), *destination_rules(p, opts), *virtual_services(p, opts), filter_object(p, opts),
+            pools_envoy_filter(p, opts), *edge_authorization_policies(p, opts)]
 
 
 def module_sha256(path: Path) -> str:

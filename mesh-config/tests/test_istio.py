@@ -54,16 +54,16 @@ def _plain_routes(policy):
 
 def _istio_routes(policy, opts=OPTS):
     """The same tuple for the VirtualService's routes and the EnvoyFilter's per-route patches."""
-    parts = istio.chart_parts(policy)
+    parts = istio.parts(policy)
     by_host = {opts.fqdn(istio.pool_service_name(opts, p)): p for p in policy.pools}
     out = []
     *routes, last = istio.http_routes(parts, opts)
-    for r, part in zip(routes, parts["routes"], strict=True):
+    for r, part in zip(routes, parts.routes, strict=True):
         dest = r["route"][0]["destination"]
         grpc = dest["port"]["number"] == opts.grpc_port
         assert grpc == ("content-type" in (r["match"][0].get("headers", {}) if "match" in r else {})), r
         request = r.get("headers", {}).get("request", {})
-        out.append((r["name"], grpc, by_host[dest["host"]], {**request.get("set", {}), **request.get("add", {})}, not part["wasm"]))
+        out.append((r["name"], grpc, by_host[dest["host"]], {**request.get("set", {}), **request.get("add", {})}, not part.wasm))
     return out + [(last["name"], last["directResponse"]["status"], last["directResponse"]["body"]["string"])]
 
 
@@ -103,7 +103,7 @@ def test_each_routing_header_keeps_the_plain_envoy_routes_append_action():
     and rule headers of a decided route are appended as in plain Envoy (the early header mutation
     already removed a client's copy, and an overwrite looks the header up first)."""
     plain = {r["name"]: r for r in route_config(LocalMeshPlan(policy=parse_policy(HEADER_ONLY)).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"]}
-    parts = istio.chart_parts(parse_policy(HEADER_ONLY))
+    parts = istio.parts(parse_policy(HEADER_ONLY))
     for r in istio.http_routes(parts, OPTS)[:-1]:  # (the edge's 404 adds none)
         want = {"add": {}, "set": {}}
         for h in plain[r["name"]].get("request_headers_to_add", []):
@@ -113,8 +113,8 @@ def test_each_routing_header_keeps_the_plain_envoy_routes_append_action():
 
 def test_native_rules_strip_client_headers_before_routing_and_turn_the_filter_off():
     policy = parse_policy(HEADER_ONLY)
-    parts = istio.chart_parts(policy)
-    assert parts["filter"]["form"] == "EnvoyFilter" and not istio.needs_body(policy)
+    parts = istio.parts(policy)
+    assert parts.filter.form == "EnvoyFilter" and not istio.needs_body(policy)
     patches = istio.filter_object(parts, OPTS)["spec"]["configPatches"]
     strip = next(p for p in patches if p["applyTo"] == "NETWORK_FILTER")
     assert strip["match"] == {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager"}}}}
@@ -148,7 +148,7 @@ def test_pool_limits_and_outlier_detection_are_those_of_the_plain_envoy_clusters
     policy = load_policy(PRODUCTION)
     b = bootstrap(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")))
     route = route_config(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"][0]
-    for dr in istio.destination_rules(istio.chart_parts(policy), OPTS):
+    for dr in istio.destination_rules(istio.parts(policy), OPTS):
         pool = dr["metadata"]["labels"]["infermesh.io/pool"]
         c = next(c for c in b["static_resources"]["clusters"] if c["name"] == f"pool_{pool}")
         t = c["circuit_breakers"]["thresholds"][0]
@@ -172,14 +172,14 @@ def test_pool_limits_and_outlier_detection_are_those_of_the_plain_envoy_clusters
         }
     # Retries: the same conditions, never on a response.
     retry = route["route"]["retry_policy"]
-    for r in istio.http_routes(istio.chart_parts(policy), OPTS)[:-1]:  # (not the edge's 404)
+    for r in istio.http_routes(istio.parts(policy), OPTS)[:-1]:  # (not the edge's 404)
         assert r["retries"] == {"attempts": retry["num_retries"], "retryOn": retry["retry_on"]}
         assert route["route"]["timeout"] == "0s" and "timeout" not in r  # Istio's default: none
 
 
 def test_services_per_pool_with_both_fronts_and_a_front_service_on_the_default_pool():
     policy = load_policy(PRODUCTION)
-    svcs = {s["metadata"]["name"]: s for s in istio.services(istio.chart_parts(policy), OPTS)}
+    svcs = {s["metadata"]["name"]: s for s in istio.services(istio.parts(policy), OPTS)}
     assert set(svcs) == {"infermesh", "infermesh-h100", "infermesh-l4"}
     for name in ("infermesh-h100", "infermesh-l4"):
         ports = {p["name"]: (p["port"], p["appProtocol"]) for p in svcs[name]["spec"]["ports"]}
@@ -191,7 +191,7 @@ def test_services_per_pool_with_both_fronts_and_a_front_service_on_the_default_p
 def test_header_only_rules_the_filter_decides_give_a_wasm_plugin_with_the_policy_filter_config():
     policy = parse_policy(TRUSTED)
     assert not istio.needs_body(policy)
-    parts = istio.chart_parts(policy)
+    parts = istio.parts(policy)
     wp = istio.filter_object(parts, OPTS)
     assert wp["kind"] == "WasmPlugin" and wp["metadata"]["namespace"] == "istio-ingress"
     spec = wp["spec"]
@@ -206,7 +206,7 @@ def test_header_only_rules_the_filter_decides_give_a_wasm_plugin_with_the_policy
 def test_body_rules_give_an_envoy_filter_that_can_pause_for_the_body():
     policy = load_policy(PRODUCTION)
     assert istio.needs_body(policy)
-    parts = istio.chart_parts(policy)
+    parts = istio.parts(policy)
     ef = istio.filter_object(parts, OPTS)
     assert ef["kind"] == "EnvoyFilter"
     patches = ef["spec"]["configPatches"]
@@ -223,20 +223,20 @@ def test_body_rules_give_an_envoy_filter_that_can_pause_for_the_body():
     # Every route of the VirtualService can buffer a body as in plain Envoy.
     buffered = {p["match"]["routeConfiguration"]["vhost"]["route"]["name"]: p["patch"]["value"] for p in patches[2:]}
     *routes, not_found = istio.http_routes(parts, OPTS)
-    assert buffered.pop(not_found["name"]) == {"typed_per_filter_config": {insert["patch"]["value"]["name"]: parts["wasmOff"]}}
+    assert buffered.pop(not_found["name"]) == {"typed_per_filter_config": {insert["patch"]["value"]["name"]: parts.wasm_off}}
     assert buffered == {r["name"]: {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES} for r in routes}
 
 
 def test_fail_close_maps_to_envoys_fail_closed():
     opts = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, fail_strategy="FAIL_CLOSE")
-    assert istio.wasm_extension_config(istio.chart_parts(load_policy(PRODUCTION)), opts)["config"]["failure_policy"] == "FAIL_CLOSED"
-    assert istio.wasm_plugin(istio.chart_parts(parse_policy(TRUSTED)), opts)["spec"]["failStrategy"] == "FAIL_CLOSE"
+    assert istio.wasm_extension_config(istio.parts(load_policy(PRODUCTION)), opts)["config"]["failure_policy"] == "FAIL_CLOSED"
+    assert istio.wasm_plugin(istio.parts(parse_policy(TRUSTED)), opts)["spec"]["failStrategy"] == "FAIL_CLOSE"
 
 
 def test_ingress_virtual_service_carries_the_same_routes_on_the_gateways():
     policy = load_policy(PRODUCTION)
     opts = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, gateways=("infermesh/infermesh",), hosts=("llm.example.com",))
-    parts = istio.chart_parts(policy)
+    parts = istio.parts(policy)
     mesh, ingress = istio.virtual_services(parts, opts)
     assert mesh["spec"]["gateways"] == ["mesh"] and mesh["spec"]["hosts"] == ["infermesh.infermesh.svc.cluster.local"]
     assert ingress["spec"]["gateways"] == ["infermesh/infermesh"] and ingress["spec"]["hosts"] == ["llm.example.com"]
@@ -271,7 +271,7 @@ def test_real_envoy_accepts_the_envoy_filters_patches(tmp_path, policy, envoy_ac
     an HTTP filter of a listener under its name, the NETWORK_FILTER patch merged into the HCM, and
     each HTTP_ROUTE patch merged into a route of its own (the body buffer; the filter off by name).
     """
-    patches = istio.envoy_filter(istio.chart_parts(policy), OPTS)["spec"]["configPatches"]
+    patches = istio.envoy_filter(istio.parts(policy), OPTS)["spec"]["configPatches"]
     ext = json.loads(json.dumps(patches[0]["patch"]["value"]))
     ext["typed_config"]["config"]["vm_config"]["code"] = {"local": {"filename": str(paths.filter_wasm())}}
     route_patches = [p for p in patches if p["applyTo"] == "HTTP_ROUTE"]

@@ -37,12 +37,12 @@ pools:
 
 
 def routes_by_name(policy):
-    parts = istio.chart_parts(policy)
-    return {r["name"]: (r, part) for r, part in zip(istio.http_routes(parts, OPTS), parts["routes"])}
+    parts = istio.parts(policy)
+    return {r["name"]: (r, part) for r, part in zip(istio.http_routes(parts, OPTS), parts.values()["routes"])}
 
 
 def pools_filter(policy, opts=OPTS):
-    return istio.pools_envoy_filter(istio.chart_parts(policy), opts)
+    return istio.pools_envoy_filter(istio.parts(policy), opts)
 
 
 def test_a_hedging_deadline_is_a_per_try_timeout_in_the_virtual_service_and_a_hedge_in_the_patch():
@@ -120,7 +120,7 @@ def test_pool_clusters_get_weighted_round_robin_and_the_retry_budget():
     # Every route of the VirtualService to a pool has its patch; the edge's 404 (a directResponse,
     # its last route) reaches no pool, so it has none.
     routes = [p["match"]["routeConfiguration"]["vhost"]["route"]["name"] for p in ef["spec"]["configPatches"] if p["applyTo"] == "HTTP_ROUTE"]
-    vs = istio.http_routes(istio.chart_parts(REPLICAS), OPTS)
+    vs = istio.http_routes(istio.parts(REPLICAS), OPTS)
     assert "directResponse" in vs[-1] and all("route" in r for r in vs[:-1])
     assert routes == [r["name"] for r in vs[:-1]]
 

@@ -21,7 +21,7 @@ HOST = "infermesh-{}.infermesh.svc.cluster.local"
 
 
 def patches(policy=LOCAL, opts=OPTS):
-    return istio.pools_envoy_filter(istio.chart_parts(policy), opts)["spec"]["configPatches"]
+    return istio.pools_envoy_filter(istio.parts(policy), opts)["spec"]["configPatches"]
 
 
 def test_the_spilling_pools_clusters_health_check_its_state_from_at_level_with_panic_back_on():
@@ -41,7 +41,7 @@ def test_the_spilling_pools_clusters_health_check_its_state_from_at_level_with_p
 def test_each_front_gets_an_aggregate_of_the_pool_then_the_spill_pool_with_the_pools_threshold():
     added = [p for p in patches() if p["patch"]["operation"] == "ADD"]
     assert [p["match"] for p in added] == [{"context": "GATEWAY"}] * 2
-    threshold = istio.pool_thresholds(istio.chart_parts(LOCAL), OPTS)
+    threshold = istio.pool_thresholds(istio.parts(LOCAL), OPTS)
     for p, port in zip(added, (8000, 50051)):
         c = p["patch"]["value"]
         assert c["name"] == f"infermesh-spill|{port}||{HOST.format('interactive')}" == istio.spill_cluster_name(OPTS, "interactive", port == 50051)
@@ -71,12 +71,12 @@ def test_the_pools_routes_go_to_its_aggregate_and_no_others():
 
 
 def test_the_filter_only_sheds_probing_the_pools_istio_cluster():
-    parts = istio.chart_parts(LOCAL)
+    parts = istio.parts(LOCAL)
     cfg = istio.plugin_config(parts, OPTS)
     assert cfg["degraded_routing"]["pools"] == {"interactive": {
         "at_level": 3, "shed_classes": ["batch"], "probe_cluster": f"outbound|8000||{HOST.format('interactive')}"}}
     assert istio.probe_cluster(OPTS, "interactive") == istio.outbound_cluster(OPTS, "interactive")
-    assert parts["spill"] == {"interactive": {"to": "batch", "atLevel": 3, "cluster": {
+    assert parts.values()["spill"] == {"interactive": {"to": "batch", "atLevel": 3, "cluster": {
         "http": {"health_checks": health_checks(False, below_level=3), "common_lb_config": {"healthy_panic_threshold": {"value": 1}, "update_merge_window": "0s"}},
         "grpc": {"health_checks": health_checks(True, below_level=3), "common_lb_config": {"healthy_panic_threshold": {"value": 1}, "update_merge_window": "0s"}}}}}
 

@@ -33,6 +33,19 @@ Every template reads it through this, so whichever renders first reports it (_va
 {{- toJson $g -}}
 {{- end -}}
 
+{{/* What an Istio object takes from the release's options, decided by the policy model
+(istio_parts.ISTIO_DECISIONS, written by `python -m infermesh.meshconfig.istio_parts`): the
+cluster names, the patch context of filter.attachTo, the failure policy of filter.failStrategy,
+the default selector, the thresholds from a connectionPool, the code of a file:// module. */}}
+{{- define "infermesh.istioDecisions" -}}
+{{- .Files.Get "files/istio-decisions.json" -}}
+{{- end -}}
+
+{{/* An Istio cluster name: (dict "pattern" (outboundCluster | spillCluster) "port" P "host" FQDN). */}}
+{{- define "infermesh.clusterName" -}}
+{{- .pattern | replace "{port}" (toString (int .port)) | replace "{host}" .host -}}
+{{- end -}}
+
 {{- define "infermesh.fullname" -}}
 {{- if contains .Chart.Name .Release.Name -}}
 {{- .Release.Name | trunc 40 | trimSuffix "-" -}}
