@@ -29,13 +29,51 @@ pub const HEADER_OBJECTIVE: &str = "x-gateway-inference-objective";
 pub const DEFAULT_MAX_BODY_BYTES: usize = 256 * 1024;
 pub const MAX_MAX_BODY_BYTES: usize = 1024 * 1024 - 64 * 1024;
 
-/// Degraded-mode routing defaults (docs/filter.md): an idle pool is probed twice a second, so
-/// its state is known within ~1 s; a reading counts for 5 s; a recovered replica is held 1 s.
-pub const DEFAULT_PROBE_INTERVAL_MS: u64 = 500;
-pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 400;
-pub const DEFAULT_STALE_AFTER_MS: u64 = 5000;
-pub const DEFAULT_RECOVER_HOLD_MS: u64 = 1000;
-pub const DEFAULT_RETRY_AFTER_S: u64 = 5;
+/// An integer field of the config: its inclusive bounds and its value when absent. These consts
+/// are the filter's one statement of its numeric limits: the parser checks against them, and
+/// `limits()` hands them (with the parsed defaults) to the policy model's contract test
+/// (mesh-config/tests/test_rule_contract.py), which holds the policy's bounds and defaults to them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit {
+    /// The field's path in the config (`*`: any pool).
+    pub field: &'static str,
+    pub min: u64,
+    pub max: u64,
+    pub default: u64,
+}
+
+pub const BODY_MAX_BYTES: Limit =
+    Limit { field: "body.max_bytes", min: 1, max: MAX_MAX_BODY_BYTES as u64, default: DEFAULT_MAX_BODY_BYTES as u64 };
+/// Degraded-mode routing (docs/filter.md): an idle pool is probed twice a second, so its state is
+/// known within ~1 s; a reading counts for 5 s; a recovered replica is held 1 s.
+pub const PROBE_INTERVAL_MS: Limit = Limit { field: "degraded_routing.probe_interval_ms", min: 50, max: 60_000, default: 500 };
+pub const PROBE_TIMEOUT_MS: Limit = Limit { field: "degraded_routing.probe_timeout_ms", min: 10, max: 60_000, default: 400 };
+pub const STALE_AFTER_MS: Limit = Limit { field: "degraded_routing.stale_after_ms", min: 100, max: 3_600_000, default: 5000 };
+pub const RECOVER_HOLD_MS: Limit = Limit { field: "degraded_routing.recover_hold_ms", min: 0, max: 3_600_000, default: 1000 };
+pub const RETRY_AFTER_S: Limit = Limit { field: "degraded_routing.retry_after_s", min: 1, max: 3600, default: 5 };
+/// A threshold on the level a pool's replicas report: 1-3 the breakers' rungs (shed, fallback
+/// model, critical only), LEVEL_DOWN while a replica does not serve. Absent: LEVEL_DOWN, a pool
+/// kept for its state only (the policy always writes the level).
+pub const AT_LEVEL: Limit = Limit {
+    field: "degraded_routing.pools.*.at_level",
+    min: 1,
+    max: crate::pool_state::LEVEL_DOWN as u64,
+    default: crate::pool_state::LEVEL_DOWN as u64,
+};
+/// Every bounded integer field the parser checks.
+pub const LIMITS: [Limit; 7] =
+    [BODY_MAX_BYTES, PROBE_INTERVAL_MS, PROBE_TIMEOUT_MS, STALE_AFTER_MS, RECOVER_HOLD_MS, RETRY_AFTER_S, AT_LEVEL];
+
+pub const DEFAULT_PROBE_INTERVAL_MS: u64 = PROBE_INTERVAL_MS.default;
+pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = PROBE_TIMEOUT_MS.default;
+pub const DEFAULT_STALE_AFTER_MS: u64 = STALE_AFTER_MS.default;
+pub const DEFAULT_RECOVER_HOLD_MS: u64 = RECOVER_HOLD_MS.default;
+pub const DEFAULT_RETRY_AFTER_S: u64 = RETRY_AFTER_S.default;
+
+/// Class, pool, objective and rule names: 1 to this many of [A-Za-z0-9_-] (`check_token`).
+pub const TOKEN_MAX_LEN: usize = 64;
+/// A probe cluster's name: 1 to this many visible ASCII characters.
+pub const PROBE_CLUSTER_MAX_LEN: usize = 256;
 
 // ---- raw (serde) shapes -----------------------------------------------------------------------
 
@@ -394,6 +432,9 @@ fn err(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
 /// without bound. The config's regexes share the total equally, each at most the per-regex limit.
 pub const REGEX_SIZE_LIMIT: usize = 1 << 20;
 pub const REGEX_TOTAL_SIZE_LIMIT: usize = 16 << 20;
+/// Nesting of groups and classes a pattern may have (the `regex` crate's default, set here so
+/// that the policy's model of the dialect, filter_regex.py, is checked against a number of ours).
+pub const REGEX_NEST_LIMIT: u32 = 250;
 
 fn regex_size_limit(count: usize) -> usize {
     (REGEX_TOTAL_SIZE_LIMIT / count.max(1)).min(REGEX_SIZE_LIMIT)
@@ -407,6 +448,7 @@ fn string_match(field: &str, raw: RawStringMatch, regex_limit: usize) -> Result<
             // Bounded compiled size and match-time cache: a pathological pattern is a config
             // error, not a memory hog.
             regex::RegexBuilder::new(&x)
+                .nest_limit(REGEX_NEST_LIMIT)
                 .size_limit(regex_limit)
                 .dfa_size_limit(regex_limit)
                 .build()
@@ -414,7 +456,7 @@ fn string_match(field: &str, raw: RawStringMatch, regex_limit: usize) -> Result<
                 .map_err(|e| {
                     let mut refused = err(format!("{field}.regex"), format!("invalid regex: {e}"));
                     if regex_limit < REGEX_SIZE_LIMIT {
-                        refused.message.push_str(" (the config's regexes share 16 MiB of compiled size)");
+                        refused.message.push_str(&format!(" (the config's regexes share {} MiB of compiled size)", REGEX_TOTAL_SIZE_LIMIT >> 20));
                     }
                     refused
                 })
@@ -547,11 +589,9 @@ impl FilterConfig {
                 body,
             });
         }
-        if raw.body.max_bytes == 0 || raw.body.max_bytes > MAX_MAX_BODY_BYTES {
-            return Err(err(
-                "body.max_bytes",
-                format!("must be between 1 and {MAX_MAX_BODY_BYTES} (below Envoy's 1 MiB per-connection buffer)"),
-            ));
+        if !(BODY_MAX_BYTES.min..=BODY_MAX_BYTES.max).contains(&(raw.body.max_bytes as u64)) {
+            let (lo, hi) = (BODY_MAX_BYTES.min, BODY_MAX_BYTES.max);
+            return Err(err(BODY_MAX_BYTES.field, format!("must be between {lo} and {hi} (below Envoy's 1 MiB per-connection buffer)")));
         }
         let mut trusted = TrustedSources::default();
         for (i, c) in raw.trusted_sources.cidrs.iter().enumerate() {
@@ -703,21 +743,22 @@ pub fn reload(current: &mut Option<Rc<FilterConfig>>, bytes: &[u8]) -> Result<Rc
     Ok(cfg)
 }
 
-fn bounded(field: &str, v: u64, lo: u64, hi: u64) -> Result<u64, ConfigError> {
-    if (lo..=hi).contains(&v) {
+/// `v` within `limit`, or an error at `field` (the limit's own path, or a pool's for `*`).
+fn bounded(field: &str, v: u64, limit: Limit) -> Result<u64, ConfigError> {
+    if (limit.min..=limit.max).contains(&v) {
         Ok(v)
     } else {
-        Err(err(field, format!("must be between {lo} and {hi}")))
+        Err(err(field, format!("must be between {} and {}", limit.min, limit.max)))
     }
 }
 
 fn degraded_routing(d: RawDegraded, classes: &BTreeMap<String, (String, String)>) -> Result<DegradedRouting, ConfigError> {
     let at = "degraded_routing";
-    let interval = bounded(&format!("{at}.probe_interval_ms"), d.probe_interval_ms, 50, 60_000)?;
-    let timeout = bounded(&format!("{at}.probe_timeout_ms"), d.probe_timeout_ms, 10, 60_000)?;
-    let stale = bounded(&format!("{at}.stale_after_ms"), d.stale_after_ms, 100, 3_600_000)?;
-    let hold = bounded(&format!("{at}.recover_hold_ms"), d.recover_hold_ms, 0, 3_600_000)?;
-    let retry_after_s = bounded(&format!("{at}.retry_after_s"), d.retry_after_s, 1, 3600)?;
+    let interval = bounded(PROBE_INTERVAL_MS.field, d.probe_interval_ms, PROBE_INTERVAL_MS)?;
+    let timeout = bounded(PROBE_TIMEOUT_MS.field, d.probe_timeout_ms, PROBE_TIMEOUT_MS)?;
+    let stale = bounded(STALE_AFTER_MS.field, d.stale_after_ms, STALE_AFTER_MS)?;
+    let hold = bounded(RECOVER_HOLD_MS.field, d.recover_hold_ms, RECOVER_HOLD_MS)?;
+    let retry_after_s = bounded(RETRY_AFTER_S.field, d.retry_after_s, RETRY_AFTER_S)?;
     let mut pools = BTreeMap::new();
     for (name, p) in &d.pools {
         let f = format!("{at}.pools.{name}");
@@ -725,17 +766,15 @@ fn degraded_routing(d: RawDegraded, classes: &BTreeMap<String, (String, String)>
         if p.spill_to.is_some() {
             return Err(err(format!("{f}.spill_to"), "spill is Envoy's health-check failover now (remove the field)"));
         }
-        if !(1..=crate::pool_state::LEVEL_DOWN).contains(&p.at_level) {
-            return Err(err(format!("{f}.at_level"), "must be between 1 and 4"));
-        }
+        bounded(&format!("{f}.at_level"), u64::from(p.at_level), AT_LEVEL)?;
         for (i, c) in p.shed_classes.iter().enumerate() {
             if !classes.contains_key(c) {
                 return Err(err(format!("{f}.shed_classes[{i}]"), format!("unknown class `{c}`")));
             }
         }
         if let Some(c) = &p.probe_cluster {
-            if c.is_empty() || c.len() > 256 || c.bytes().any(|b| b <= b' ' || b >= 0x7f) {
-                return Err(err(format!("{f}.probe_cluster"), "must be a cluster name (1-256 visible ASCII characters)"));
+            if c.is_empty() || c.len() > PROBE_CLUSTER_MAX_LEN || c.bytes().any(|b| b <= b' ' || b >= 0x7f) {
+                return Err(err(format!("{f}.probe_cluster"), format!("must be a cluster name (1-{PROBE_CLUSTER_MAX_LEN} visible ASCII characters)")));
             }
         }
         let rule = crate::pool_state::PoolRule { at_level: p.at_level, stale_after_ms: stale, recover_hold_ms: hold };
@@ -750,13 +789,48 @@ fn degraded_routing(d: RawDegraded, classes: &BTreeMap<String, (String, String)>
 /// Class, pool and rule names end up in header values and metric names: keep them plain.
 fn check_token(field: &str, value: &str) -> Result<(), ConfigError> {
     let ok = !value.is_empty()
-        && value.len() <= 64
+        && value.len() <= TOKEN_MAX_LEN
         && value.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
     if ok {
         Ok(())
     } else {
-        Err(err(field, format!("`{value}` must be 1-64 characters of [A-Za-z0-9_-]")))
+        Err(err(field, format!("`{value}` must be 1-{TOKEN_MAX_LEN} characters of [A-Za-z0-9_-]")))
     }
+}
+
+/// The limits the policy model shares with this parser, for its contract test (printed by
+/// `cargo run --example config_limits`): each bounded field, and the defaults as `parse` fills
+/// them into a config that leaves everything optional out.
+pub fn limits() -> serde_json::Value {
+    use serde_json::json;
+    let minimal = r#"{"version": 1, "default_class": "c", "classes": {"c": {"pool": "p"}}, "degraded_routing": {"pools": {"p": {}}}}"#;
+    let c = FilterConfig::parse(minimal.as_bytes()).expect("the minimal config parses");
+    let d = c.degraded.as_ref().expect("it has degraded routing");
+    let pool = &d.pools["p"];
+    let bounded: serde_json::Map<String, serde_json::Value> =
+        LIMITS.iter().map(|l| (l.field.to_string(), json!({"min": l.min, "max": l.max, "default": l.default}))).collect();
+    json!({
+        "version": CONFIG_VERSION,
+        "bounded": bounded,
+        "defaults": {
+            "body.max_bytes": c.max_body_bytes,
+            "emit_objective_header": c.emit_objective_header,
+            "trusted_sources.cidrs": c.trusted.cidrs.len(),
+            "trusted_sources.principals": c.trusted.principals.len(),
+            "degraded_routing.probe_interval_ms": d.probe_interval_ms,
+            "degraded_routing.probe_timeout_ms": d.probe_timeout_ms,
+            "degraded_routing.stale_after_ms": pool.rule.stale_after_ms,
+            "degraded_routing.recover_hold_ms": pool.rule.recover_hold_ms,
+            "degraded_routing.retry_after_s": d.retry_after_s,
+            "degraded_routing.pools.*.at_level": pool.rule.at_level,
+            "degraded_routing.pools.*.shed_classes": pool.shed_classes.len(),
+        },
+        "level_down": crate::pool_state::LEVEL_DOWN,
+        "token_max_len": TOKEN_MAX_LEN,
+        "reserved_rule_names": [crate::classify::DEFAULT_RULE, crate::classify::TRUSTED_RULE],
+        "regex": {"size_limit": REGEX_SIZE_LIMIT, "total_size_limit": REGEX_TOTAL_SIZE_LIMIT, "nest_limit": REGEX_NEST_LIMIT},
+        "probe_cluster_max_len": PROBE_CLUSTER_MAX_LEN,
+    })
 }
 
 #[cfg(test)]
@@ -890,6 +964,43 @@ mod tests {
         assert_eq!(bad(r#"{"pools": {}, "probe_interval_ms": 10}"#), "degraded_routing.probe_interval_ms");
         assert_eq!(bad(r#"{"pools": {}, "retry_after_s": 0}"#), "degraded_routing.retry_after_s");
         assert!(parse_err(&with(r#"{"pools": {"gpu-a": {"spil_to": "gpu-b"}}}"#)).message.contains("spil_to"));
+    }
+
+    #[test]
+    fn every_limit_is_what_parse_enforces() {
+        // Each LIMITS entry, set in a config at its bounds and one past them: the bounds pass,
+        // one past is refused naming the field (a pool's for `*`) in `bounded`'s words.
+        let config = |field: &str, v: u64| -> String {
+            let mut doc: serde_json::Value = serde_json::from_str(GOOD).unwrap();
+            doc["degraded_routing"] = serde_json::json!({"pools": {"gpu-a": {"shed_classes": ["batch"]}}});
+            let (at, key) = field.rsplit_once('.').unwrap();
+            let parent = match at {
+                "body" => &mut doc["body"],
+                "degraded_routing" => &mut doc["degraded_routing"],
+                _ => &mut doc["degraded_routing"]["pools"]["gpu-a"],
+            };
+            parent[key] = serde_json::json!(v);
+            doc.to_string()
+        };
+        for l in LIMITS {
+            for v in [l.min, l.max, l.default] {
+                assert!(FilterConfig::parse(config(l.field, v).as_bytes()).is_ok(), "{} = {v}", l.field);
+            }
+            let mut past = vec![l.max + 1];
+            if l.min > 0 {
+                past.push(l.min - 1);
+            }
+            for v in past {
+                let e = parse_err(&config(l.field, v));
+                assert_eq!(e.field, l.field.replace('*', "gpu-a"), "{} = {v}", l.field);
+                assert!(e.message.starts_with(&format!("must be between {} and {}", l.min, l.max)), "{e}");
+            }
+        }
+        let limits = limits();
+        assert_eq!(limits["bounded"].as_object().unwrap().len(), LIMITS.len());
+        for l in LIMITS {
+            assert_eq!(limits["defaults"][l.field], l.default, "{}: the parser fills in its declared default", l.field);
+        }
     }
 
     #[test]

@@ -1,13 +1,20 @@
 """Would the filter accept this regex? A check of the syntax of Rust's `regex` crate (1.9, the
 filter's build: features std, perf, unicode-perl, unicode-case, no Unicode property tables) and of
-the filter's compiled-size limit (1 MiB), so `infermesh policy check` refuses the patterns the
-filter would refuse, without Rust.
+the filter's compiled-size limits (1 MiB a regex, 16 MiB shared by a config's regexes), so
+`infermesh policy check` refuses the patterns the filter would refuse, without Rust.
+
+The dialect's one definition is the filter's: the `regex` crate at the version and features
+pinned in filter/Cargo.toml, built by filter/src/config.rs `string_match` with the limits
+declared there (REGEX_SIZE_LIMIT, REGEX_TOTAL_SIZE_LIMIT, REGEX_NEST_LIMIT). This module is a
+model of it, checked against it by mesh-config/tests/test_rule_contract.py: the limits below
+against those config.rs reports (`cargo run --example config_limits`), and the syntax and size
+on a corpus of patterns (REGEXES, and configs of many regexes for the shared budget) that the
+filter's own parser judges too; any different verdict fails there.
 
 The syntax check follows regex-syntax 0.7: escapes, classes and set operations, flags, group
 names, counted repetitions, the nesting limit (250), and the rules of `(?-u)` (nothing that could
 match invalid UTF-8). The size is an estimate: per-atom costs measured on the filter's parser
 (docs/policy-and-control-plane.md); exact far from the limit, not to the byte near it.
-mesh-config/tests/test_rule_contract.py compares this module with the filter on a corpus.
 """
 
 from __future__ import annotations
@@ -15,7 +22,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SIZE_LIMIT = 1 << 20
+"""Compiled size one regex may have (config.rs REGEX_SIZE_LIMIT)."""
+TOTAL_SIZE_LIMIT = 16 << 20
+"""Compiled size a config's regexes share, equally (config.rs REGEX_TOTAL_SIZE_LIMIT)."""
 NEST_LIMIT = 250
+"""Nesting of groups and classes (config.rs REGEX_NEST_LIMIT)."""
+
+
+def size_limit(count: int) -> int:
+    """The compiled size each of a config's `count` regexes may have (config.rs regex_size_limit)."""
+    return min(TOTAL_SIZE_LIMIT // max(count, 1), SIZE_LIMIT)
+
 
 _PUNCT = set("!\"#$%&'()*+,-./:;=?@[\\]^_`{|}~")
 _LITERAL_ESCAPES = {"a": "\a", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"}
@@ -375,14 +392,22 @@ class _Parser:
         return c
 
 
-def regex_error(pattern: str) -> str | None:
-    """Why the filter would refuse `pattern` (its message, or close to it), or None."""
+def _size(pattern: str) -> tuple[float, str | None]:
+    """(estimated compiled size, None) or (0, why the syntax is refused)."""
     try:
-        node = _Parser(pattern).parse()
+        return _Parser(pattern).parse().cost, None
     except RegexError as e:
-        return f"regex parse error: {e}"
+        return 0, f"regex parse error: {e}"
     except RecursionError:
-        return f"regex parse error: exceed the maximum number of nested parentheses/brackets ({NEST_LIMIT})"
-    if node.cost > SIZE_LIMIT:
-        return f"Compiled regex exceeds size limit of {SIZE_LIMIT} bytes."
-    return None
+        return 0, f"regex parse error: exceed the maximum number of nested parentheses/brackets ({NEST_LIMIT})"
+
+
+def regex_error(pattern: str, limit: int = SIZE_LIMIT) -> str | None:
+    """Why the filter would refuse `pattern` (its message, or close to it), or None; `limit`: the
+    compiled size it may have (below SIZE_LIMIT: its share of TOTAL_SIZE_LIMIT, `size_limit`)."""
+    cost, why = _size(pattern)
+    if why is None and cost > limit:
+        why = f"Compiled regex exceeds size limit of {limit} bytes."
+    if why is not None and limit < SIZE_LIMIT:
+        why += f" (the config's regexes share {TOTAL_SIZE_LIMIT >> 20} MiB of compiled size)"
+    return why

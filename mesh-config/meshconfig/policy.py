@@ -42,6 +42,13 @@ Rules are checked here with the same fields, limits, field paths and messages as
 own parser (filter/src/config.rs), so `policy check` refuses what the filter would refuse;
 mesh-config/tests/test_rule_contract.py holds the two to each other on a corpus. Field paths
 here are pydantic's (`rules.0.match.path`), the filter's are `rules[0].match.path`.
+
+The filter's limits are config.rs's (`LIMITS`, `TOKEN_MAX_LEN`, the regex limits, `LEVEL_DOWN`):
+what this model writes of them (the bounds and defaults of `filter.body_max_bytes`,
+`filter.pool_state.*` and `when_degraded.at_level`, TOKEN_MAX_LEN, RESERVED_RULE_NAMES, the regex
+budget in filter_regex.py) is compared field by field with what the filter itself reports
+(`cargo run --example config_limits`) by test_rule_contract.py, and every bound is tried on both
+parsers at and one past each end: a difference fails there.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from pydantic import (AfterValidator, ConfigDict, Field, StrictBool, StrictInt, 
 from infermesh.settings import (LEVEL_DOWN, NAME, ClassSettings, ModelSettings, PoolSettings, ServingSettings,
                                 Strict, check_ladder)
 
-from .filter_regex import regex_error
+from .filter_regex import SIZE_LIMIT as REGEX_SIZE_LIMIT, regex_error, size_limit as regex_size_limit
 
 __all__ = [
     "LEVEL_DOWN", "LOCAL_POLICY", "BodyMatch", "ClassSpec", "DegradedRouting", "FilterSpec", "GpuSpec", "HeaderMatch",
@@ -73,7 +80,11 @@ RESERVED_RULE_NAMES = ("default", "trusted")
 """Rule names the filter reports itself (classify.rs DEFAULT_RULE, TRUSTED_RULE)."""
 
 MAX_BODY_BYTES = 1024 * 1024 - 64 * 1024
-"""The filter's ceiling of `body.max_bytes` (config.rs MAX_MAX_BODY_BYTES)."""
+"""The filter's ceiling of `body.max_bytes` (config.rs BODY_MAX_BYTES)."""
+MIN_BODY_BYTES = 1
+
+TOKEN_MAX_LEN = 64
+"""Class, pool, objective and rule names: 1 to this many of [A-Za-z0-9_-] (config.rs TOKEN_MAX_LEN)."""
 
 U64_MAX = 2**64 - 1
 
@@ -88,9 +99,9 @@ class FieldError(ValueError):
 
 def _token_error(value: str) -> str | None:
     """config.rs check_token: names end up in header values and metric names."""
-    if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value):
+    if re.fullmatch(rf"[A-Za-z0-9_-]{{1,{TOKEN_MAX_LEN}}}", value):
         return None
-    return f"`{value}` must be 1-64 characters of [A-Za-z0-9_-]"
+    return f"`{value}` must be 1-{TOKEN_MAX_LEN} characters of [A-Za-z0-9_-]"
 
 
 # ---- rules: the filter's match language (docs/filter.md) ---------------------------------------
@@ -111,6 +122,7 @@ def _one_string(keys) -> list[dict]:
 
 class StringMatch(_Rule):
     """Exactly one of `exact`, `prefix`, `regex` (Rust `regex` syntax, compiled size ≤ 1 MiB)."""
+    # A policy's regexes also share 16 MiB (filter_regex.py): Policy checks that budget.
 
     model_config = ConfigDict(json_schema_extra={"oneOf": _one_string(_VALUE_KEYS)})
 
@@ -239,6 +251,15 @@ class Match(_Rule):
         """Whether the filter must read the body to judge this match."""
         return self.body is not None
 
+    def regexes(self) -> list[tuple[str, str]]:
+        """(field path below the match, pattern) of each regex it compiles, in the filter's order."""
+        out = [("path", self.path.regex)] if self.path is not None and self.path.regex is not None else []
+        out += [(f"headers.{j}", h.regex) for j, h in enumerate(self.headers) if h.regex is not None]
+        if self.body is not None:
+            out += [(f"body.{k}", m.regex) for k in ("model", "priority", "service_tier")
+                    if (m := getattr(self.body, k)) is not None and m.regex is not None]
+        return out
+
 
 class Rule(_Rule):
     """One ordered rule: the first whose match holds decides the request's class."""
@@ -300,9 +321,10 @@ class GpuSpec(Strict):
 class DegradedRouting(Strict):
     """What the mesh does while this pool is degraded (its sidecars report the level)."""
 
-    at_level: Annotated[int, Field(ge=1, le=3)] = 3
-    """From this pool level on: 1 shedding, 2 serving a fallback model, 3 critical classes only.
-    A pool whose sidecar is gone (killed, restarting, draining) counts as past every level."""
+    at_level: Annotated[int, Field(ge=1, le=LEVEL_DOWN)] = 3
+    """From this pool level on: 1 shedding, 2 serving a fallback model, 3 critical classes only,
+    4 only while its sidecars do not serve. A pool whose sidecar is gone (killed, restarting,
+    draining) is at level 4, past every level."""
     spill_to: Annotated[str, Field(pattern=NAME)] | None = None
     """Send this pool's traffic to that pool instead (unless that one is degraded too). Its
     endpoints also stand behind this pool's at priority 1: a request this pool's sidecar refuses
@@ -368,7 +390,7 @@ class FilterSpec(Strict):
     """How Envoy runs the filter: `wasm` (proxy-wasm, V8: plain Envoy and Istio) or `native` (the
     same code as an Envoy dynamic module, plain Envoy only: no VM, cheaper per request; the
     module is built for the pinned Envoy's ABI, docs/filter-native-module.md)."""
-    body_max_bytes: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": MAX_BODY_BYTES})] = 262144
+    body_max_bytes: Annotated[int, Field(json_schema_extra={"minimum": MIN_BODY_BYTES, "maximum": MAX_BODY_BYTES})] = 262144
     """Bodies up to this size are buffered when a rule needs them (below Envoy's 1 MiB per-connection buffer)."""
     trusted_cidrs: list[str] = []
     """Peers whose x-infermesh-* headers are kept: an upstream infermesh hop already decided."""
@@ -383,8 +405,9 @@ class FilterSpec(Strict):
     @field_validator("body_max_bytes")
     @classmethod
     def _body_limit(cls, n: int) -> int:
-        if not 1 <= n <= MAX_BODY_BYTES:
-            raise FieldError("", f"must be between 1 and {MAX_BODY_BYTES} (below Envoy's 1 MiB per-connection buffer)")
+        lo, hi = MIN_BODY_BYTES, MAX_BODY_BYTES
+        if not lo <= n <= hi:
+            raise FieldError("", f"must be between {lo} and {hi} (below Envoy's 1 MiB per-connection buffer)")
         return n
 
     @field_validator("trusted_cidrs")
@@ -430,13 +453,20 @@ class Policy(Strict):
                 if c not in self.classes:
                     raise FieldError(f"pools.{name}.when_degraded.shed_classes.{i}", f"{c!r} is not one of the classes {sorted(self.classes)}")
         seen: set[str] = set()
+        # The config's regexes share the filter's compiled-size budget (each was checked alone
+        # against the per-regex limit already): the filter's `regex_size_limit`.
+        limit = regex_size_limit(sum(len(r.match.regexes()) for r in self.rules))
         for i, r in enumerate(self.rules):
-            # The filter's wording (config.rs), in its order: name, then class.
+            # The filter's wording (config.rs), in its order: name, then class, then its regexes.
             if r.name in seen:
                 raise FieldError(f"rules.{i}.name", f"duplicate rule name `{r.name}`")
             seen.add(r.name)
             if r.class_ not in self.classes:
                 raise FieldError(f"rules.{i}.class", f"unknown class `{r.class_}`")
+            if limit < REGEX_SIZE_LIMIT:
+                for sub, pattern in r.match.regexes():
+                    if why := regex_error(pattern, limit):
+                        raise FieldError(f"rules.{i}.match.{sub}.regex", f"invalid regex: {why}")
         return self
 
     # ---- what other modules ask ---------------------------------------------------------------

@@ -11,6 +11,13 @@ maps one onto the other. For the errors serde reports (unknown or missing fields
 the filter's field is `$` with a position, and check_config names the field at that position
 (its `at`); their wording is serde's and pydantic's, not compared.
 
+Limits: every bounded field of the filter config (config.rs `LIMITS`) has its policy field in
+BOUNDED below; `filter_limits` asks the filter for its limits and defaults (`cargo run --example
+config_limits`) and test_the_policy_holds_the_filters_limits compares them field by field with
+the policy model's (its JSON schema, its defaults, its constants), in both directions; the corpus
+tries each bound on both parsers at and one past each end (`bound_cases`), and the shared regex
+budget on configs of many regexes.
+
 Spill (`when_degraded.spill_to`) is not the filter's: Envoy's health check of the sidecars' state
 endpoint and priority failover do it, so the filter config never carries it (only the pools that
 shed are in `degraded_routing`) and the filter refuses a config that still does (FILTER_ONLY).
@@ -28,7 +35,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infermesh.meshconfig.policy import PolicyError, parse_policy
+from infermesh.meshconfig import filter_regex
+from infermesh.meshconfig.policy import (RESERVED_RULE_NAMES, TOKEN_MAX_LEN, DegradedRouting, FilterSpec, PolicyError, PoolStateSpec,
+                                         parse_policy)
+from infermesh.settings import LEVEL_DOWN, NAME
 
 REPO = Path(__file__).resolve().parents[2]
 FILTER = REPO / "filter"
@@ -296,6 +306,66 @@ REGEXES = [
 ]
 
 
+# Every bounded field of the filter config (config.rs LIMITS): (the policy's field path of a
+# refusal, the policy model and its field, a case with that field set to v).
+BOUNDED = {
+    "body.max_bytes": ("filter.body_max_bytes", FilterSpec, "body_max_bytes", lambda v: {"filter": {"body_max_bytes": v}}),
+    **{f"degraded_routing.{k}": (f"filter.pool_state.{k}", PoolStateSpec, k, lambda v, k=k: WD | {"filter": {"pool_state": {k: v}}})
+       for k in ("probe_interval_ms", "probe_timeout_ms", "stale_after_ms", "recover_hold_ms", "retry_after_s")},
+    # A pool that sheds, so that the filter config carries it.
+    "degraded_routing.pools.*.at_level": ("pools.batch.when_degraded.at_level", DegradedRouting, "at_level",
+                                          lambda v: {"when_degraded": {"batch": {"at_level": v, "shed_classes": ["batch"]}}}),
+}
+
+# Defaults that differ on purpose: (the policy's, the filter's, why).
+DIFFERENT_DEFAULTS = {
+    # The policy writes at_level for every pool it puts in degraded_routing
+    # (test_the_policy_writes_every_at_level): the filter's default is for a pool it keeps
+    # state for only, which no policy writes.
+    "degraded_routing.pools.*.at_level": (3, LEVEL_DOWN, "policy: critical only; filter: a pool kept for its state only"),
+}
+
+
+def policy_bounds(model, name: str) -> tuple[int, int, object]:
+    """(min, max, default) of a policy field: its JSON schema's bounds (what `policy check`
+    documents and the chart's values schema holds) and its default."""
+    prop = model.model_json_schema()["properties"][name]
+    return prop["minimum"], prop["maximum"], model.model_fields[name].default
+
+
+def bound_cases() -> list[tuple[str, dict, bool, str | None]]:
+    """Each bounded field at its policy bounds and one past them: the filter must agree."""
+    out = []
+    for field, (path, model, name, case) in BOUNDED.items():
+        lo, hi, _ = policy_bounds(model, name)
+        for v in [lo - 1] * (lo > 0) + [lo, hi, hi + 1]:
+            ok = lo <= v <= hi
+            # at_level is worded as the policy's other when_degraded checks (pydantic's).
+            prefix = "when-degraded-bound" if "when_degraded" in path else "bound"
+            out.append((f"{prefix}-{field}={v}", case(v), ok, None if ok else path))
+    return out
+
+
+def _rules(n: int, pattern: str, first: dict | None = None) -> list[dict]:
+    """n rules, each with a path regex `pattern` ({i}: the rule's index); `first` replaces rule 0's match."""
+    rules = [{"name": f"r{i}", "class": "batch", "match": {"path": {"regex": pattern.replace("{i}", str(i))}}} for i in range(n)]
+    if first is not None:
+        rules[0]["match"] = first
+    return rules
+
+
+# A config's regexes share config.rs REGEX_TOTAL_SIZE_LIMIT: one `a{1000}{10}` is fine alone, a
+# hundred are not (each may have 16 MiB / 100); ordinary patterns stay small however many.
+REGEX_BUDGET = {
+    "regex-budget-path": (_rules(100, "a{1000}{10}"), "rules.0.match.path.regex"),
+    "regex-budget-header": (_rules(100, "a{1000}{10}", {"headers": [{"name": "x-a", "regex": "a{1000}{10}"}]}), "rules.0.match.headers.0.regex"),
+    "regex-budget-body": (_rules(100, "a{1000}{10}", {"path": {"prefix": "/"}, "body": {"service_tier": {"regex": "a{1000}{10}"}}}),
+                          "rules.0.match.body.service_tier.regex"),
+    "valid-regex-budget-one": (_rules(1, "a{1000}{10}"), None),
+    "valid-regex-budget-ordinary": (_rules(300, "^/v1/m{i}/(chat/)?completions$"), None),
+}
+
+
 def corpus() -> list[tuple[str, dict, bool, str | None]]:
     """(id, case, the filter should accept it, the policy's field of the refusal)."""
     out = [(f"valid-{k}", {"rules": v}, True, None) for k, v in VALID.items()]
@@ -306,6 +376,8 @@ def corpus() -> list[tuple[str, dict, bool, str | None]]:
             for i, (p, ok) in enumerate(REGEXES)]
     out += [(f"stricter-{k}", {"rules": v}, True, f) for k, (v, f) in STRICTER.items()]
     out += [(f"policy-only-{k}", v, True, f) for k, (v, f) in POLICY_ONLY.items()]
+    out += bound_cases()
+    out += [(k, {"rules": v}, f is None, f) for k, (v, f) in REGEX_BUDGET.items()]
     return out
 
 
@@ -340,10 +412,10 @@ def filter_json(case: dict) -> str:
     # through its state cluster (its own endpoints, no failover), envoy_resources.state_cluster_name.
     shedding = {n: wd for n, wd in case.get("when_degraded", {}).items() if wd.get("shed_classes")}
     if shedding:
-        pools = {n: {"at_level": wd.get("at_level", 3), "shed_classes": wd["shed_classes"],
+        at_level = DegradedRouting.model_fields["at_level"].default
+        pools = {n: {"at_level": wd.get("at_level", at_level), "shed_classes": wd["shed_classes"],
                      "probe_cluster": f"pool_{n}_state" if wd.get("spill_to") else f"pool_{n}"} for n, wd in shedding.items()}
-        cfg["degraded_routing"] = {"pools": pools, "probe_interval_ms": 500, "probe_timeout_ms": 400, "stale_after_ms": 5000,
-                                   "recover_hold_ms": 1000, "retry_after_s": 5} | f.get("pool_state", {})
+        cfg["degraded_routing"] = {"pools": pools, **PoolStateSpec().model_dump(), **f.get("pool_state", {})}
     return json.dumps(cfg)
 
 
@@ -378,6 +450,18 @@ def _cargo() -> str | None:
 
 
 @pytest.fixture(scope="module")
+def filter_limits() -> dict:
+    """config.rs's limits and defaults, as the filter reports them (config::limits())."""
+    cargo = _cargo()
+    if cargo is None:
+        pytest.skip("no cargo: the filter's parser cannot be built here")
+    r = subprocess.run([cargo, "run", "--release", "--quiet", "--example", "config_limits"], cwd=FILTER,
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
 def filter_verdicts() -> dict[str, dict]:
     cargo = _cargo()
     if cargo is None:
@@ -393,7 +477,8 @@ def filter_verdicts() -> dict[str, dict]:
 
 def _same_message(policy_msg: str, filter_msg: str) -> bool:
     if filter_msg.startswith("invalid regex:"):
-        return policy_msg.startswith("invalid regex:")
+        shared = " (the config's regexes share 16 MiB of compiled size)"
+        return policy_msg.startswith("invalid regex:") and policy_msg.endswith(shared) == filter_msg.endswith(shared)
     return policy_msg == filter_msg
 
 
@@ -471,9 +556,11 @@ BRANCHES = {
     "trusted_sources.cidrs": ["cidr-prefix", "cidr-v6-prefix", "cidr-name", "cidr-space", "cidr-prefix-space", "cidr-zone",
                               "cidr-leading-zero", "cidr-empty-prefix"],
     "trusted_sources.principals": ["principal-empty"],
+    "string_match: the shared regex budget": ["regex-budget-path", "regex-budget-header", "regex-budget-body"],
     "degraded_routing bounds": ["pool-state-interval", "pool-state-interval-over", "pool-state-timeout", "pool-state-stale",
-                                "pool-state-hold", "pool-state-retry-after"],
-    "degraded_routing.pools.P.at_level": ["when-degraded-level-zero"],
+                                "pool-state-hold", "pool-state-retry-after"]
+                               + [c[0] for c in bound_cases() if c[0].startswith("bound-degraded_routing.") and not c[2]],
+    "degraded_routing.pools.P.at_level": ["when-degraded-level-zero", f"when-degraded-bound-degraded_routing.pools.*.at_level={LEVEL_DOWN + 1}"],
     "degraded_routing.pools.P.spill_to": ["filter-only-spill-to", "filter-only-spill-to-null", "filter-only-spill-to-self"],
     "degraded_routing.pools.P.shed_classes[i]": ["when-degraded-shed-unknown"],
 }
@@ -503,11 +590,79 @@ def test_the_policy_words_the_filters_checks_as_the_filter():
     # The policy words these two as the rest of its own checks (pydantic's bounds of version, classes).
     own = {"unsupported version {} (this filter understands {})", "at least one class is required",
            # degraded_routing is generated from a checked when_degraded: the policy words those
-           # checks as its other references (a level 1-3); the probe cluster names come from the
+           # checks as its other references (pydantic's bounds); the probe cluster names come from the
            # assembly (envoy_resources, the chart), not from the policy; spill_to is refused
            # because the policy never writes it (Envoy's failover spills).
-           "spill is Envoy's health-check failover now (remove the field)", "must be between 1 and 4",
-           "must be a cluster name (1-256 visible ASCII characters)"}
+           "spill is Envoy's health-check failover now (remove the field)",
+           "must be a cluster name (1-{PROBE_CLUSTER_MAX_LEN} visible ASCII characters)"}
     assert len(messages) >= 14, messages
     missing = sorted(m for m in messages if norm(m) not in norm(ours) and m not in own)
     assert not missing, missing
+
+
+# The filter's limits that the policy has no field for: a policy never writes a probe cluster
+# (the assembly does: envoy_resources, the chart).
+FILTER_ONLY_LIMITS = {"probe_cluster_max_len"}
+
+
+def test_the_policy_holds_the_filters_limits(filter_limits):
+    """Field by field: every bound and default the filter's parser has (config.rs) is the policy
+    model's, and every bounded field the policy writes into the filter config is the filter's."""
+    assert set(filter_limits) == {"version", "bounded", "defaults", "level_down", "token_max_len", "reserved_rule_names", "regex"} \
+        | FILTER_ONLY_LIMITS, "config::limits() has a new entry: compare it with the policy here"
+    # Both directions: a bounded field on either side without its twin fails.
+    assert set(filter_limits["bounded"]) == set(BOUNDED)
+    ours = {(model, name) for _, model, name, _ in BOUNDED.values()}
+    for model in (FilterSpec, PoolStateSpec, DegradedRouting):
+        props = model.model_json_schema()["properties"]
+        bounded = {n for n, p in props.items() if "minimum" in p or "maximum" in p}
+        assert bounded <= {n for m, n in ours if m is model}, f"{model.__name__}: bounded fields the filter does not bound"
+    assert set(PoolStateSpec.model_fields) == {n for m, n in ours if m is PoolStateSpec}
+    compared = 0
+    for field, (_, model, name, _) in BOUNDED.items():
+        lo, hi, default = policy_bounds(model, name)
+        theirs = filter_limits["bounded"][field]
+        assert (lo, hi) == (theirs["min"], theirs["max"]), f"{field}: policy {lo}..{hi}, filter {theirs['min']}..{theirs['max']}"
+        # The default the filter declares is the one its parser fills in.
+        assert theirs["default"] == filter_limits["defaults"][field], field
+        if field in DIFFERENT_DEFAULTS:
+            assert (default, theirs["default"]) == DIFFERENT_DEFAULTS[field][:2], field
+        else:
+            assert default == theirs["default"], f"{field}: policy default {default}, filter {theirs['default']}"
+        compared += 1
+    assert compared == 7
+    # The rest of the defaults the filter fills in: the policy's are the same.
+    d = filter_limits["defaults"]
+    spec = FilterSpec()
+    assert d["emit_objective_header"] is spec.emit_objective_header is False
+    assert (d["trusted_sources.cidrs"], d["trusted_sources.principals"]) == (len(spec.trusted_cidrs), len(spec.trusted_principals)) == (0, 0)
+    assert d["degraded_routing.pools.*.shed_classes"] == len(DegradedRouting.model_fields["shed_classes"].default) == 0
+    assert set(d) == set(BOUNDED) | {"emit_objective_header", "trusted_sources.cidrs", "trusted_sources.principals",
+                                     "degraded_routing.pools.*.shed_classes"}
+    # Levels, names, the config version.
+    assert filter_limits["level_down"] == LEVEL_DOWN
+    assert filter_limits["version"] == parse_policy(policy_text({}), "contract.yaml").filter_config()["version"]
+    assert filter_limits["token_max_len"] == TOKEN_MAX_LEN
+    n = TOKEN_MAX_LEN
+    assert re.fullmatch(NAME, "a" * n) and not re.fullmatch(NAME, "a" * (n + 1)), "settings.NAME: the classes' and pools' names"
+    assert tuple(filter_limits["reserved_rule_names"]) == RESERVED_RULE_NAMES
+    # The regex dialect's limits (filter_regex.py models config.rs string_match).
+    assert filter_limits["regex"] == {"size_limit": filter_regex.SIZE_LIMIT, "total_size_limit": filter_regex.TOTAL_SIZE_LIMIT,
+                                      "nest_limit": filter_regex.NEST_LIMIT}
+
+
+def test_the_policy_writes_every_at_level():
+    """The filter's own default of at_level (DIFFERENT_DEFAULTS) never applies to what a policy writes."""
+    case = {"when_degraded": {"batch": {"shed_classes": ["batch"]}, "interactive": {"at_level": 1, "spill_to": "batch", "shed_classes": ["batch"]}}}
+    pools = parse_policy(policy_text(case), "contract.yaml").filter_config()["degraded_routing"]["pools"]
+    assert {n: p["at_level"] for n, p in pools.items()} == {"batch": DegradedRouting.model_fields["at_level"].default, "interactive": 1}
+
+
+def test_a_policy_of_many_regexes_is_refused_naming_the_field_and_the_budget():
+    """The shared budget in the policy's own words (without the filter: this runs without cargo)."""
+    ours = policy_verdict({"rules": REGEX_BUDGET["regex-budget-header"][0]})
+    assert ours[:2] == (False, "rules.0.match.headers.0.regex"), ours
+    limit = filter_regex.size_limit(100)
+    assert ours[2] == (f"invalid regex: Compiled regex exceeds size limit of {limit} bytes. "
+                       "(the config's regexes share 16 MiB of compiled size)"), ours
+    assert policy_verdict({"rules": _rules(1, "a{1000}{10}")})[0], "alone it is within the per-regex limit"
