@@ -16,7 +16,7 @@ from infermesh.settings import LEVEL_DOWN
 from . import internal_errors
 from .errors import BadRequest, SidecarError
 from .events import BreakerChanged
-from .lifecycle import Front
+from .lifecycle import Front, RequestLifecycle, refuse
 from .mesh_class import mesh_class, mesh_pool
 from .pool import Pool
 from .proto.infermesh.v1 import inference_pb2 as pb
@@ -199,14 +199,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.pool.note_bound_for(mesh_pool(cfg, md, context.peer()))
         served_by = cfg.served_by
         if isinstance(request, Malformed):
-            self.pool.refuse(Front.GRPC, "generate", request_class, BadRequest("malformed request"))
+            refuse(self.pool, Front.GRPC, "generate", request_class, BadRequest("malformed request"))
             await _refuse_malformed(context, request)
             return
         try:
             req = generation_request(request, request_class, cfg.server.max_n)
             req.ttft_give_up_s = ttft_give_up_s(md.get(TTFT_GIVE_UP_HEADER))
         except SidecarError as e:
-            self.pool.refuse(Front.GRPC, "generate", request_class, e)
+            refuse(self.pool, Front.GRPC, "generate", request_class, e)
             await _abort(context, e)
             return
         try:
@@ -221,7 +221,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, err.message)
 
     async def _generate(self, req: GenerationRequest, context: grpc.aio.ServicerContext, served_by: str):
-        async with self.pool.lifecycle(req, Front.GRPC, "generate") as life:
+        async with RequestLifecycle(self.pool, req, Front.GRPC, "generate") as life:
             rid = life.request_id
             first = True
             async for ev in life.events():

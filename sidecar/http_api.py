@@ -18,6 +18,18 @@ and response building answer every request (vllm_serving.py), so a client writte
   504 `ttft_deadline_exceeded` and the vLLM request aborted;
 - `x-infermesh-*` headers (response_headers.identity_headers) and `usage.infermesh`;
 - a client that hangs up, streaming or not, releases its vLLM request at once.
+
+How it is laid out: `HttpFront` holds the endpoints (`build_app` only routes to them). A
+generation request is parsed, checked and admitted in `HttpFront.generate`; the admitted request
+is answered by `HttpFront.answer` inside `RequestLifecycle.serve` (`_Exchange`, the response the
+endpoint returns), its one exit, whatever the path: an answer, vLLM's error, a refusal while it
+waited, the TTFT give-up, a vanished client, a cancellation, a stream's end. The give-up itself,
+in all its forms, is the lifecycle's (`first_in_time`, `result_in_time`); this module translates
+what the lifecycle and vLLM's layer give into responses.
+
+vLLM's exception handlers read the server's arguments from the request's app
+(`request.app.state.args.log_error_stack`): the app carries vLLM's own `FrontendArgs`, its
+defaults, as `vllm serve` sets its parsed arguments there.
 """
 
 from __future__ import annotations
@@ -28,7 +40,6 @@ import json
 import logging
 from http import HTTPStatus
 from collections.abc import AsyncIterator, Awaitable, Callable
-from types import SimpleNamespace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,7 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .errors import BadRequest, DeadlineExceeded, PayloadTooLarge, SidecarError, Unavailable, UnknownModel
 from . import internal_errors
-from .lifecycle import Front, RequestLifecycle
+from .lifecycle import Front, Outcome, RequestLifecycle, cancel, refuse
 from .metrics import process_metrics
 from .pool import Pool
 from .requests import TTFT_GIVE_UP_HEADER, GenerationRequest, decimal, json_body, ttft_give_up_s
@@ -86,15 +97,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
 class _VllmErrors:
     """vLLM's own answers to a request it cannot parse or serve (its exception handlers)."""
 
-    _state = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(log_error_stack=False))),
-                             state=SimpleNamespace())
-
-    @classmethod
-    async def validation(cls, errors: list) -> JSONResponse:
+    @staticmethod
+    async def validation(request: Request, errors: list) -> JSONResponse:
+        """vLLM's handler of a RequestValidationError; it reads vLLM's server arguments from the
+        request's app (build_app sets them)."""
         from fastapi.exceptions import RequestValidationError
         from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
 
-        return await validation_exception_handler(cls._state, RequestValidationError(errors))
+        return await validation_exception_handler(request, RequestValidationError(errors))
 
     @staticmethod
     def not_found(e: UnknownModel) -> JSONResponse:
@@ -206,16 +216,16 @@ async def _parse(model: Any, request: Request, body: bytes) -> Any:
 
     media = request.headers.get("content-type", "").lower().split(";", 1)[0].strip()
     if media != "application/json":
-        return await _VllmErrors.validation(["Unsupported Media Type: Only 'application/json' is allowed"])
+        return await _VllmErrors.validation(request, ["Unsupported Media Type: Only 'application/json' is allowed"])
     out = await asyncio.to_thread(_parse_body, model, body) if len(body) > PARSE_IN_THREAD_BYTES else _parse_body(model, body)
     if isinstance(out, BadRequest):
         if out.code == "json_invalid":  # as FastAPI's validation answers it in vLLM's server
             return await _VllmErrors.validation(
-                [{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error", "input": {}, "ctx": {"error": out.message}}])
+                request, [{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error", "input": {}, "ctx": {"error": out.message}}])
         return _bad_request(out.message, out.param)
     if isinstance(out, ValidationError):
         errors = [dict(err, loc=("body", *err["loc"])) for err in out.errors(include_url=False)]
-        return await _VllmErrors.validation(errors)
+        return await _VllmErrors.validation(request, errors)
     if isinstance(out, Exception):  # VLLMValidationError from a validator: vLLM's handlers' answer
         return _VllmErrors.of(out)
     return out
@@ -257,34 +267,8 @@ async def _until_disconnect(request: Request, work: Awaitable) -> tuple[bool, An
         watch.cancel()
     if task.done():
         return True, task.result()
-    await _cancel(task)
+    await cancel(task)
     return False, None
-
-
-async def _cancel(task: asyncio.Future) -> None:
-    """Cancel `task` and wait until it has unwound (its vLLM generation closed)."""
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, Exception):
-        pass
-
-
-async def _first_token_in_time(life: RequestLifecycle, work: Awaitable, clock: Callable[[], float]) -> Any:
-    """`work`'s result, or DeadlineExceeded (`work` cancelled) when the request's TTFT give-up limit
-    passes before its first token: a non-streamed request sends nothing before its end, so the
-    front watches the lifecycle's first token (a stream's first chunk is timed in _start_stream)."""
-    if life.req.ttft_give_up_s is None:  # nothing to watch: no task of its own (one loop hop less)
-        return await work
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.wait((task,), timeout=max(0.0, life.first_token_deadline() - clock()))
-        if not task.done() and not life.first_token_seen:
-            raise life.gave_up()
-        return await task
-    finally:
-        if not task.done():
-            await _cancel(task)
 
 
 def _infermesh_usage(pool: Pool, life: RequestLifecycle) -> dict:
@@ -335,49 +319,52 @@ def _apis() -> dict[str, Api]:
     }
 
 
-def build_app(pool: Pool) -> FastAPI:
-    cfg = pool.config
-    metrics = pool.metrics
-    serving = PoolServing()
-    # vLLM's request models are imported now, not on the first request (~0.5 s of imports on the
-    # event loop, measured: the state endpoint stalled behind it).
-    apis: dict[str, Api] = _apis()
-    app = FastAPI(title="infermesh sidecar", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.serving = serving
-    internal_errors.install(app, metrics.registry, Front.HTTP.value)
+class HttpFront:
+    """The HTTP front's endpoints on one pool: each a method, `build_app` only routes to them.
 
-    @app.get("/health")
-    async def health() -> Response:
-        if pool.ready:
+    A generation request is parsed and checked here (`generate`), admitted by its RequestLifecycle,
+    and answered by `answer` (vLLM's layer, translated) inside `RequestLifecycle.serve`, the
+    request's one exit (`_Exchange`)."""
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.serving = PoolServing()
+        # vLLM's request models are imported now, not on the first request (~0.5 s of imports on the
+        # event loop, measured: the state endpoint stalled behind it).
+        self.apis: dict[str, Api] = _apis()
+
+    async def health(self) -> Response:
+        cfg = self.pool.config
+        if self.pool.ready:
             return JSONResponse({"status": "ok", "pool": cfg.pool, "served_by": cfg.served_by})
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
-    @app.get("/metrics")
-    async def prom() -> Response:
-        metrics.inflight.set(pool.inflight)
+    async def metrics(self) -> Response:
+        pool = self.pool
+        pool.metrics.inflight.set(pool.inflight)
         # infermesh's own registry, then vLLM's `vllm:*` series of every loaded engine.
         vllm = process_metrics([m.prometheus for m in pool.ladder if m.engine is not None])
-        return Response(generate_latest(metrics.registry) + vllm, media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(pool.metrics.registry) + vllm, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def list_models() -> Response:
+    async def models(self) -> Response:
         from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, ModelPermission
 
         cards = []
-        for engine in pool.ladder:
+        for engine in self.pool.ladder:
             if engine.engine is not None:
-                cards += (await serving.of(engine).models.show_available_models()).data
+                cards += (await self.serving.of(engine).models.show_available_models()).data
             else:  # a fallback not loaded on this replica: listed, as the ladder has it
                 cards.append(ModelCard(id=engine.config.name, root=engine.config.path, max_model_len=engine.config.max_model_len, permission=[ModelPermission()],
                                        owned_by="vllm"))
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    async def tokenization(request: Request, which: str) -> Response:
+    async def tokenization(self, request: Request, which: str) -> Response:
         from pydantic import TypeAdapter
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
+        pool = self.pool
         try:
-            body = await _read_body(request, cfg.server.max_body_bytes)
+            body = await _read_body(request, pool.config.server.max_body_bytes)
         except SidecarError as e:
             return _error_response(e)
         model = TypeAdapter(TokenizeRequest) if which == "tokenize" else DetokenizeRequest
@@ -391,51 +378,59 @@ def build_app(pool: Pool) -> FastAPI:
         if engine.engine is None:
             return _error_response(Unavailable(f"the model {engine.config.name} is still loading", retry_after_s=1))
         req.model = engine.config.name
-        s = serving.of(engine).tokenization
+        s = self.serving.of(engine).tokenization
         try:
             out = await (s.create_tokenize(req, None) if which == "tokenize" else s.create_detokenize(req, None))
         except Exception as e:
             return _exception_answer(e, Attempt(), pool, which)
         return JSONResponse(out.model_dump(), status_code=getattr(getattr(out, "error", None), "code", 200))
 
-    async def generate(request: Request, api_name: str) -> Response:
-        api = apis[api_name]
+    async def generate(self, request: Request, api_name: str) -> Response:
+        """Parse, check and admit a generation request; a refusal is answered here, an admitted
+        request by vLLM's layer when the returned _Exchange is sent."""
         from .mesh_class import mesh_class  # the class only from the mesh's proxy (issue 28)
-        request_class = mesh_class(pool.config, request.headers, request.client)
+
+        api, pool = self.apis[api_name], self.pool
+        cfg = pool.config
+        request_class = mesh_class(cfg, request.headers, request.client)
         pool.note_bound_for(request.headers.get("x-infermesh-pool"))
         try:
             body = await _read_body(request, cfg.server.max_body_bytes)
         except SidecarError as e:
-            pool.refuse(Front.HTTP, api.name, request_class, e)
+            refuse(pool, Front.HTTP, api.name, request_class, e)
             return _error_response(e)
         req = await _parse(api.request_model, request, body)
         if isinstance(req, Response):
-            pool.refuse(Front.HTTP, api.name, request_class, BadRequest("invalid request"))
+            refuse(pool, Front.HTTP, api.name, request_class, BadRequest("invalid request"))
             return req
         # Read as vLLM's model has them: an API without the field keeps a client's extra one as
         # it came (`n: [true]` on /v1/responses), which means nothing to vLLM and nothing here.
         n = _int_field(req, "n") or 1
         if n > cfg.server.max_n:  # the pool's own limit (server.max_n), beyond vLLM's checks
             e = BadRequest(f"`n` must be at most {cfg.server.max_n} on this pool", param="n")
-            pool.refuse(Front.HTTP, api.name, request_class, e)
+            refuse(pool, Front.HTTP, api.name, request_class, e)
             return _error_response(e)
         model = getattr(req, "model", None)
         ticket = GenerationRequest(model=model if isinstance(model, str) else None, n=n, request_class=request_class)
         ticket.ttft_give_up_s = ttft_give_up_s(request.headers.get(TTFT_GIVE_UP_HEADER))
-        life = pool.lifecycle(ticket, Front.HTTP, api.name)
+        life = RequestLifecycle(pool, ticket, Front.HTTP, api.name)
         try:
-            adm = life.admit()
+            life.admit()
         except UnknownModel as e:
             return _VllmErrors.not_found(e)
         except SidecarError as e:
             return _error_response(e)
-        return await _serve(request, api, req, life, adm)
+        return _Exchange(life, functools.partial(self.answer, request, api, req, life))
 
-    async def _serve(request: Request, api: Api, req: Any, life: RequestLifecycle, adm) -> Response:
+    async def answer(self, request: Request, api: Api, req: Any, life: RequestLifecycle) -> tuple[Reply, Outcome | None]:
+        """vLLM's layer's answer to an admitted request, as the front sends it: the reply (built as
+        it goes out: its headers carry the load then) and its outcome, None for a stream (which
+        keeps the request until it has been sent)."""
+        adm = life.admission
         engine = adm.engine
 
         def headers() -> dict:  # at the moment the response goes out (the load report is the pool's now)
-            return identity_headers(pool, engine.config.name, adm.degraded, adm.degraded_reason)
+            return identity_headers(self.pool, engine.config.name, adm.degraded, adm.degraded_reason)
         # vLLM's layer sees the admitted model's one name and the admission's id; its priority
         # is the class's (the engine client sets it), never the body's.
         req.model = engine.config.name
@@ -446,150 +441,125 @@ def build_app(pool: Pool) -> FastAPI:
         ADMITTED.set(life)
         attempt = Attempt()
         ATTEMPT.set(attempt)
+        try:
+            present, out = await _until_disconnect(request, life.result_in_time(api.call(self.serving.of(engine), req)))
+        except DeadlineExceeded as e:  # no first token at its limit, or refused while it waited: vLLM aborts
+            return _error_reply(e, headers)
+        except Exception as e:  # vLLM's exception handlers' answer (4xx for the client's faults)
+            return self._failed(e, attempt, api, headers)
+        if not present:
+            return _gone, Outcome()
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if isinstance(out, ErrorResponse):
+            content = out.model_dump()
+            if api.name == "messages":  # vLLM's Anthropic router translates its errors
+                content = {"type": "error", "error": {"type": out.error.type, "message": out.error.message}}
+            return (lambda: JSONResponse(content, status_code=out.error.code, headers=headers())), Outcome(status=str(out.error.code))
+        if not hasattr(out, "__anext__"):
+            content = api.dump(out)
+
+            def whole() -> Response:
+                if isinstance(content.get("usage"), dict):
+                    content["usage"]["infermesh"] = _infermesh_usage(self.pool, life)
+                return JSONResponse(content, headers=headers())
+            return whole, Outcome()
+        return await self._stream(request, api, out, life, headers, attempt)
+
+    async def _stream(self, request: Request, api: Api, gen: AsyncIterator[str], life: RequestLifecycle, headers: Callable[[], dict],
+                      attempt: Attempt) -> tuple[Reply, Outcome | None]:
+        """A stream's answer. Headers go out with the first content (vLLM's role chunk comes with
+        the first token), so an error before it is a real status; the lifecycle gives it up
+        (first_in_time). vLLM's stream is closed here unless it is handed to the response."""
         streaming = False
         try:
             try:
-                present, out = await _until_disconnect(request, _first_token_in_time(life, api.call(serving.of(engine), req), pool.clock))
-            except DeadlineExceeded as e:  # a non-streamed request without a first token at its limit: vLLM aborts
-                await life.close(e)
-                return _error_response(e, headers())
-            except Exception as e:  # vLLM's exception handlers' answer (4xx for the client's faults)
-                resp = _exception_answer(e, attempt, pool, api.name)
-                await life.close(status=str(resp.status_code))
-                resp.headers.update(headers())
-                return resp
+                present, first = await _until_disconnect(request, life.first_in_time(gen))
+            except DeadlineExceeded as e:  # given up: refused in line (429), the TTFT limit or the cut (503/504), vLLM aborts
+                return _error_reply(e, headers)
+            except Exception as e:
+                return self._failed(e, attempt, api, headers)
             if not present:
-                return Response(status_code=499)
-            from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
-            if isinstance(out, ErrorResponse):
-                await life.close(status=str(out.error.code))
-                content = out.model_dump()
-                if api.name == "messages":  # vLLM's Anthropic router translates its errors
-                    content = {"type": "error", "error": {"type": out.error.type, "message": out.error.message}}
-                return JSONResponse(content, status_code=out.error.code, headers=headers())
-            if not hasattr(out, "__anext__"):
-                content = api.dump(out)
-                await life.close()
-                if isinstance(content.get("usage"), dict):
-                    content["usage"]["infermesh"] = _infermesh_usage(pool, life)
-                return JSONResponse(content, headers=headers())
+                return _gone, Outcome()
+            if first is None or first.startswith("data: {\"error\""):
+                error = json.loads(first[6:])["error"] if first else {"message": "empty stream", "type": "InternalServerError", "code": 500}
+                status = error.get("code") if isinstance(error.get("code"), int) else 500
+                return (lambda: JSONResponse({"error": error}, status_code=status, headers=headers())), Outcome(status=str(status))
+            usage = _infermesh_usage(self.pool, life)
+            frames = _frames(first, gen, usage) if api.openai_usage else _chain(first, gen)
             streaming = True
-            return await _start_stream(request, api, out, life, headers, attempt)
+            return (lambda: _Stream(frames, media_type="text/event-stream", headers=headers() | STREAM_HEADERS)), None
         finally:
             if not streaming:
-                await life.close()  # no-op once closed; a vanished client otherwise (499)
+                await gen.aclose()
 
-    async def _start_stream(request: Request, api: Api, gen: AsyncIterator[str], life: RequestLifecycle, headers: Callable[[], dict],
-                            attempt: Attempt) -> Response:
-        # Headers go out with the first content (vLLM's role chunk comes with the first token):
-        # an error before it is a real status.
-        if life.req.ttft_give_up_s is not None:
-            first_chunk = asyncio.wait_for(_first_or_refused(gen, life), max(0.0, life.first_token_deadline() - pool.clock()))
-        else:
-            deadline = life.target_deadline()
-            first_chunk = _first(gen) if deadline is None else _first_unless_cut(gen, life, deadline - pool.clock())
-        try:
-            present, first = await _until_disconnect(request, first_chunk)
-        except (asyncio.TimeoutError, Refused):  # refused in line (429, at once), or the TTFT limit passed: 503/504, vLLM aborts
-            await gen.aclose()
-            e = life.gave_up()
-            await life.close(e)
-            return _error_response(e, headers())
-        except Exception as e:
-            await gen.aclose()
-            resp = _exception_answer(e, attempt, pool, api.name)
-            await life.close(status=str(resp.status_code))
+    def _failed(self, e: Exception, attempt: Attempt, api: Api, headers: Callable[[], dict]) -> tuple[Reply, Outcome]:
+        resp = _exception_answer(e, attempt, self.pool, api.name)
+
+        def reply() -> Response:
             resp.headers.update(headers())
             return resp
-        if not present:
-            await gen.aclose()
-            await life.close()
-            return Response(status_code=499)
-        if first is None or first.startswith("data: {\"error\""):
-            await gen.aclose()
-            error = json.loads(first[6:])["error"] if first else {"message": "empty stream", "type": "InternalServerError", "code": 500}
-            status = error.get("code") if isinstance(error.get("code"), int) else 500
-            await life.close(status=str(status))
-            return JSONResponse({"error": error}, status_code=status, headers=headers())
-        usage = _infermesh_usage(pool, life)
-        frames = _frames(first, gen, usage) if api.openai_usage else _chain(first, gen)
-        return _LifecycleStream(life, frames, media_type="text/event-stream", headers=headers() | STREAM_HEADERS)
+        return reply, Outcome(status=str(resp.status_code))
 
-    def route(handler: Callable[[Request, str], Awaitable[Response]], name: str) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            return await handler(request, name)
-        return endpoint
 
+Reply = Callable[[], Response]
+"""An answer, built when it goes out."""
+
+
+def _error_reply(e: SidecarError, headers: Callable[[], dict]) -> tuple[Reply, Outcome]:
+    return (lambda: _error_response(e, headers())), Outcome(error=e)
+
+
+def _gone() -> Response:
+    return Response(status_code=499)
+
+
+class _Exchange(Response):
+    """What the endpoint returns for an admitted request: vLLM's layer runs when Starlette sends
+    it, inside RequestLifecycle.serve, so the request has one exit however the exchange ends (an
+    answer, an error, a vanished client, a cancellation, a stream's end)."""
+
+    def __init__(self, life: RequestLifecycle, answer: Callable[[], Awaitable[tuple[Reply, Outcome | None]]]):
+        super().__init__()
+        self.life, self.answer = life, answer
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def send_reply(reply: Reply) -> None:
+            await reply()(scope, receive, send)
+
+        await self.life.serve(self.answer(), send_reply)
+
+
+def build_app(pool: Pool) -> FastAPI:
+    front = HttpFront(pool)
+    app = FastAPI(title="infermesh sidecar", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = front.serving
+    # vLLM's exception handlers read its server's arguments from the app (`log_error_stack`): the
+    # defaults of vLLM's own frontend arguments, stack logging off as `vllm serve` has it.
+    app.state.args = _vllm_frontend_args()
+    internal_errors.install(app, pool.metrics.registry, Front.HTTP.value)
+    app.add_api_route("/health", front.health, methods=["GET"])
+    app.add_api_route("/metrics", front.metrics, methods=["GET"])
+    app.add_api_route("/v1/models", front.models, methods=["GET"])
     for path, name in [("/v1/chat/completions", "chat"), ("/v1/completions", "completions"), ("/v1/messages", "messages"),
                        ("/v1/responses", "responses")]:
-        app.add_api_route(path, route(generate, name), methods=["POST"])
+        app.add_api_route(path, _route(front.generate, name), methods=["POST"])
     for name in ("tokenize", "detokenize"):
-        app.add_api_route(f"/{name}", route(tokenization, name), methods=["POST"])
-
+        app.add_api_route(f"/{name}", _route(front.tokenization, name), methods=["POST"])
     state_api.install(app, pool)
     return app
 
 
-class Refused(Exception):
-    """A held stream was refused while it waited for an engine slot (RequestLifecycle.refused)."""
+def _route(handler: Callable[[Request, str], Awaitable[Response]], name: str) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await handler(request, name)
+    return endpoint
 
 
-async def _first_or_refused(gen: AsyncIterator[str], life: RequestLifecycle) -> str | None:
-    """The stream's first chunk, or Refused as soon as its wait for a slot is refused (not at its
-    TTFT limit: the refusal's p99 time then is the admission's, docs/breakers.md)."""
-    first = asyncio.ensure_future(_first(gen))
-    refused = asyncio.ensure_future(life.refused.wait())
-    try:
-        await asyncio.wait((first, refused), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the TTFT limit (wait_for) or a vanished client: the stream is closed after
-        await _cancel(first)
-        raise
-    finally:
-        refused.cancel()
-    if first.done():
-        return first.result()
-    await _cancel(first)
-    raise Refused
+def _vllm_frontend_args() -> Any:
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
 
-
-CUT_CHECK_S = 0.1
-"""How often a stream past its target without a first token asks again whether it is to be cut."""
-
-
-async def _first_unless_cut(gen: AsyncIterator[str], life: RequestLifecycle, after_s: float) -> str | None:
-    """The stream's first chunk; asyncio.TimeoutError when, past its class's target without one,
-    the lifecycle cuts it (`cut_if_pressed`; the front then answers `gave_up`). A timer, not a
-    task of its own: this runs for every stream."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    cut = False
-    handle: asyncio.TimerHandle | None = None
-
-    def check() -> None:
-        nonlocal cut, handle
-        if life.cut_if_pressed():
-            cut = True
-            task.cancel()
-        else:
-            handle = loop.call_later(CUT_CHECK_S, check)
-
-    handle = loop.call_later(max(0.0, after_s), check)
-    try:
-        return await _first(gen)
-    except asyncio.CancelledError:
-        if cut and task.uncancel() == 0:
-            raise asyncio.TimeoutError from None
-        raise
-    finally:
-        handle.cancel()
-
-
-async def _first(gen: AsyncIterator[str]) -> str | None:
-    try:
-        return await gen.__anext__()
-    except StopAsyncIteration:
-        return None
+    return FrontendArgs(log_error_stack=False)
 
 
 async def _chain(first: str, gen: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -618,17 +588,13 @@ async def _frames(first: str, gen: AsyncIterator[str], infermesh: dict) -> Async
         yield chunk
 
 
-class _LifecycleStream(StreamingResponse):
-    """A streaming response that releases its request however the response ends, also when the
-    client left before the body began (then Starlette never starts the body iterator)."""
-
-    def __init__(self, life: RequestLifecycle, content: AsyncIterator[str], **kwargs):
-        super().__init__(content, **kwargs)
-        self.life = life
+class _Stream(StreamingResponse):
+    """A stream whose body iterator (vLLM's generator) is closed however the response ends, also
+    when the client left before the body began (Starlette then never starts it), before the
+    request is released (RequestLifecycle.serve)."""
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
-            await self.life.close()

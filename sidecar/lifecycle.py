@@ -1,31 +1,42 @@
-"""One request's life in the sidecar, from admission to release: the one place both fronts call.
+"""One request's life in the sidecar, from admission to release: the one object both fronts use,
+and the one exit of every request.
 
-    async with pool.lifecycle(req, Front.GRPC, "generate") as life:   # admits, or raises
-        async for ev in life.events():                               # TokenDelta…, then Completion
-            ...                                                      # the front formats them
+    async with RequestLifecycle(pool, req, Front.GRPC, "generate") as life:   # admits, or raises
+        async for ev in life.events():                                       # TokenDelta…, then Completion
+            ...                                                              # the front formats them
 
-The HTTP front hands generation to vLLM's own serving layer instead: it admits the request, and
-vLLM's layer, having rendered the prompt and built the SamplingParams, calls the pool's engine
-client (vllm_engine_client.py), which runs them through `life.vllm_outputs(...)`: vLLM's
-RequestOutputs, with the class's priority, coalescing and the same measurements.
+The HTTP front hands generation to vLLM's own serving layer instead: it admits the request
+(`admit`), and its answer is built and sent inside `serve`, the lifecycle's exit for a front that
+builds its own answer. vLLM's layer, having rendered the prompt and built the SamplingParams, calls
+the pool's engine client (vllm_engine_client.py), which runs them through `life.vllm_outputs(...)`:
+vLLM's RequestOutputs, with the class's priority, coalescing and the same measurements.
 
-Leaving the block, however it is left (the stream ended, an error, a vanished client, a passed
-deadline, a cancelled RPC), releases the request: its slot is freed and, if vLLM may still be
-generating, the request is aborted there so its KV cache is freed at once. TTFT, inter-token time,
-token counts and the request's outcome are recorded here, once, for both fronts.
+Leaving the block or `serve`, however it is left (the stream ended, an error, a refusal, a vanished
+client, a passed deadline, a cancelled RPC), closes the request, in `close` and nowhere else: its
+outcome is recorded, its slot is freed and, if vLLM may still be generating, the request is aborted
+there so its KV cache is freed at once. TTFT, inter-token time, token counts and the request's
+outcome are recorded here, once, for both fronts. A request refused at admission is counted as
+refused there and holds nothing.
 
 Between admission and vLLM the request waits for one of its model's engine slots
 (admission.EngineSlots); one that can no longer get its first token within its class's target is
 refused there (429 `ttft_target_unreachable`, Retry-After), and vLLM never sees it.
 
-On the HTTP front the class's target is also the TTFT limit of a request that has to wait in line
-at admission, when the mesh sent none (`x-infermesh-ttft-give-up-ms`; one that gets a slot at
-once has none, and is served however late vLLM is, as before): the front answers a stream refused while it waited at once (`refused`),
-with Retry-After (vLLM's serving layer, between the front and the engine client, would turn an
-error raised in the wait into a stream's error chunk without one), so such a stream is held
-there while the front answers; a non-streamed request's refusal passes through vLLM's layer and is answered at once; a stream that reached vLLM without a first token by then gets 503 `ttft_target_missed` and
-is aborted there; a non-streamed one, once in vLLM, runs to its end (watching its first token
-would take vLLM's cumulative outputs, a cost on every step).
+The TTFT give-up, in all its forms, is here too (`gave_up` is the error of each):
+- the mesh's give-up limit (`x-infermesh-ttft-give-up-ms`): no first token by then, streamed or
+  not, and the request ends (504 `ttft_deadline_exceeded`, aborted in vLLM): `first_in_time` for
+  a stream (both fronts), `result_in_time` for an HTTP request answered whole;
+- on the HTTP front, the class's target is the TTFT limit of a request that has to wait in line at
+  admission, when the mesh sent none (one that gets a slot at once has none, and is served however
+  late vLLM is, as before). A stream refused while it waited is answered at once (`refused`), with
+  Retry-After (vLLM's serving layer, between the front and the engine client, would turn an error
+  raised in the wait into a stream's error chunk without one), so such a stream is held there
+  while `first_in_time` answers; a non-streamed request's refusal passes through vLLM's layer and
+  is answered at once; a stream that reached vLLM without a first token by then gets 503
+  `ttft_target_missed` and is aborted there; a non-streamed one, once in vLLM, runs to its end
+  (watching its first token would take vLLM's cumulative outputs, a cost on every step);
+- an HTTP stream that got a slot at once and has no first token at its class's target is cut
+  (503 `ttft_target_missed`) while its pool is pressed (`cut_if_pressed`, docs/breakers.md).
 """
 
 from __future__ import annotations
@@ -36,9 +47,9 @@ import enum
 import math
 
 import grpc
-from collections.abc import AsyncIterator
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TypeVar
 
 from .admission import Admission, TargetUnreachable
 from .errors import DeadlineExceeded, EngineFailed, SidecarError
@@ -50,6 +61,13 @@ if TYPE_CHECKING:
 
 _TOKENIZE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infermesh-tokenize")
 """The gRPC front's tokenization (RequestLifecycle._generate)."""
+
+CUT_CHECK_S = 0.1
+"""How often a stream past its target without a first token asks again whether it is to be cut."""
+
+T = TypeVar("T")
+R = TypeVar("R")
+
 
 class Front(enum.Enum):
     """Which front a request came through; it names the outcome in its own terms."""
@@ -113,6 +131,35 @@ def refuse(pool: "Pool", front: Front, api: str, request_class: str, error: Side
     pool.metrics.count_rejection(front.value, api, request_class, front.status(error), error)
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How a front answered a request, as `close` records it: the error it answered with, or the
+    status (vLLM's layer's); neither: the generation's own end (ok, or gone without one)."""
+
+    error: BaseException | None = None
+    status: str | None = None
+
+
+class _Refused(Exception):
+    """A held stream was refused while it waited for an engine slot (RequestLifecycle.refused)."""
+
+
+async def cancel(task: asyncio.Future) -> None:
+    """Cancel `task` and wait until it has unwound (its vLLM generation closed)."""
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+
+
+async def _first(stream: AsyncIterator[T]) -> T | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
 class RequestLifecycle:
     def __init__(self, pool: "Pool", req: GenerationRequest, front: Front, api: str):
         self.pool, self.req, self.front, self.api = pool, req, front, api
@@ -126,9 +173,9 @@ class RequestLifecycle:
         self._submitted = False  # vLLM may hold the request
         self._submitted_at = 0.0  # when it got its engine slot
         self.refusal: TargetUnreachable | None = None
-        self.refused = asyncio.Event()
-        """Set when a held stream is refused while it waited: the HTTP front answers it at once (gave_up)."""
         """Refused while it waited for an engine slot (never reached vLLM)."""
+        self.refused = asyncio.Event()
+        """Set when a held stream is refused while it waited: answered at once (first_in_time)."""
         self._target_limit = False  # the TTFT limit is the class's target (set at admission), not the mesh's
         self._delta = False  # vLLM's layer streams this request (delta outputs)
         self._vllm_done = False  # vLLM has finished or dropped it: nothing to abort
@@ -148,10 +195,11 @@ class RequestLifecycle:
     # -- entry -------------------------------------------------------------------------------
 
     def admit(self) -> Admission:
-        """Admit the request (once) or raise the error its client gets, counted as a refusal.
+        """Admit the request (once) or raise the error its client gets, counted as a refusal (the
+        request holds nothing, and is closed).
 
-        `async with` calls it; the HTTP stream calls it first itself, so that a refusal still
-        gets a proper status before the response starts."""
+        `async with` calls it; the HTTP front calls it before its answer, so that a refusal gets a
+        proper status before any response starts."""
         if self.admission is None:
             try:
                 self.admission = self.pool.admission.admit(self.req)
@@ -178,7 +226,7 @@ class RequestLifecycle:
 
     @property
     def first_token_seen(self) -> bool:
-        """For the HTTP front's TTFT limit: a non-streamed request under its class's target counts
+        """For the TTFT limit of a request answered whole: one under its class's target counts
         from the moment vLLM has it (only its wait is limited, see the module's docstring)."""
         return self._first_token_at is not None or (self._target_limit and self._submitted and not self._delta)
 
@@ -303,9 +351,9 @@ class RequestLifecycle:
             await self._slot()
         except TargetUnreachable as e:
             if self.req.ttft_give_up_s is not None and delta:
-                self.refused.set()  # the front answers it now, with its Retry-After (gave_up)
+                self.refused.set()  # answered now, with its Retry-After (first_in_time)
                 await asyncio.Future()  # held, never submitted: vLLM's layer must not make it an error chunk
-            raise http_refusal(e) from None  # non-streamed: vLLM's layer passes it to the front, answered at once
+            raise http_refusal(e) from None  # answered whole: vLLM's layer passes it to the front, answered at once
         self._vllm_ids.add(vllm_request_id)
         counted: dict[int, int] = {}  # tokens of each choice so far (cumulative outputs)
         prompt_counted = False
@@ -362,15 +410,11 @@ class RequestLifecycle:
         await self._slot_in_time()
         gen = engine.generate(self.req, ids, params, priority, self._pause_s)
         try:
-            async for ev in self._first_in_time(gen):
-                if isinstance(ev, TokenDelta):
-                    self._tokens_arrived(len(ev.token_ids))
-                    yield ev
-                else:
-                    self._vllm_done = True
-                    pool.window.record_outcome(failed=False)
-                    self.completion = replace(ev, degraded=adm.degraded, degraded_reason=adm.degraded_reason)
-                    yield self.completion
+            ev = await self.first_in_time(gen)
+            if ev is not None:
+                yield self._arrived(ev)
+                async for ev in gen:
+                    yield self._arrived(ev)
         except EngineFailed:
             self._vllm_done = True  # vLLM has already dropped the request
             pool.window.record_outcome(failed=True)
@@ -379,6 +423,17 @@ class RequestLifecycle:
             await gen.aclose()
         if self.completion is None:  # a bug, not the client's fault
             raise SidecarError("generation ended without a result")
+
+    def _arrived(self, ev: TokenDelta | Completion) -> TokenDelta | Completion:
+        """An event of the gRPC generation, counted: tokens, or the Completion as the request's."""
+        if isinstance(ev, TokenDelta):
+            self._tokens_arrived(len(ev.token_ids))
+            return ev
+        self._vllm_done = True
+        self.pool.window.record_outcome(failed=False)
+        adm = self.admission
+        self.completion = replace(ev, degraded=adm.degraded, degraded_reason=adm.degraded_reason)
+        return self.completion
 
     async def _slot_in_time(self) -> None:
         """The engine slot, within the request's TTFT limit (if any)."""
@@ -390,30 +445,111 @@ class RequestLifecycle:
         except asyncio.TimeoutError:
             raise self.gave_up() from None
 
-    async def _first_in_time(self, gen: AsyncIterator) -> AsyncIterator:
-        """`gen`, its first event within the request's TTFT limit (if any) or DeadlineExceeded."""
-        limit = self.req.ttft_give_up_s
-        if limit is None:
-            async for ev in gen:
-                yield ev
-            return
-        remaining = self._admitted_at + limit - self.pool.clock()
+    # -- the first token in time (both fronts) -------------------------------------------------
+
+    async def first_in_time(self, stream: AsyncIterator[T]) -> T | None:
+        """The first item of `stream` (None: it ended without one) or, `stream` closed, the error of
+        a request given up before it (`gave_up`): its TTFT limit passed; a held HTTP stream was
+        refused while it waited (`refused`: answered at once, not at its limit, so the refusal's
+        p99 time is the admission's, docs/breakers.md); an HTTP stream past its class's target was
+        cut while its pool is pressed (`cut_if_pressed`). The HTTP front's headers wait for it."""
+        if self.req.ttft_give_up_s is not None:
+            waiting = self._first_or_refused(stream) if self.front is Front.HTTP else _first(stream)
+            first = asyncio.wait_for(waiting, max(0.0, self.first_token_deadline() - self.pool.clock()))
+        elif self.front is not Front.HTTP:  # gRPC without a limit: nothing to watch
+            return await _first(stream)
+        else:
+            deadline = self.target_deadline()
+            first = _first(stream) if deadline is None else self._first_unless_cut(stream, deadline - self.pool.clock())
         try:
-            first = await asyncio.wait_for(anext(gen), max(0.0, remaining))
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:
+            return await first
+        except (asyncio.TimeoutError, _Refused):  # refused in line (429, at once), or the limit passed: 503/504, vLLM aborts
+            await stream.aclose()
             raise self.gave_up() from None
-        yield first
-        async for ev in gen:
-            yield ev
+
+    async def result_in_time(self, work: Awaitable[R]) -> R:
+        """`work`'s result (vLLM's layer answering the request whole), or the error of a request
+        without a first token at its TTFT limit (`gave_up`; `work` cancelled): such an answer sends
+        nothing before its end, so the lifecycle's own first token is watched."""
+        if self.req.ttft_give_up_s is None:  # nothing to watch: no task of its own (one loop hop less)
+            return await work
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait((task,), timeout=max(0.0, self.first_token_deadline() - self.pool.clock()))
+            if not task.done() and not self.first_token_seen:
+                raise self.gave_up()
+            return await task
+        finally:
+            if not task.done():
+                await cancel(task)
+
+    async def _first_or_refused(self, stream: AsyncIterator[T]) -> T | None:
+        """The stream's first item, or _Refused as soon as its wait for a slot is refused."""
+        first = asyncio.ensure_future(_first(stream))
+        refused = asyncio.ensure_future(self.refused.wait())
+        try:
+            await asyncio.wait((first, refused), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the TTFT limit (wait_for) or a vanished client: the stream is closed after
+            await cancel(first)
+            raise
+        finally:
+            refused.cancel()
+        if first.done():
+            return first.result()
+        await cancel(first)
+        raise _Refused
+
+    async def _first_unless_cut(self, stream: AsyncIterator[T], after_s: float) -> T | None:
+        """The stream's first item; asyncio.TimeoutError when, past its class's target without one,
+        it is cut (`cut_if_pressed`). A timer, not a task of its own: this runs for every stream."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        cut = False
+        handle: asyncio.TimerHandle | None = None
+
+        def check() -> None:
+            nonlocal cut, handle
+            if self.cut_if_pressed():
+                cut = True
+                task.cancel()
+            else:
+                handle = loop.call_later(CUT_CHECK_S, check)
+
+        handle = loop.call_later(max(0.0, after_s), check)
+        try:
+            return await _first(stream)
+        except asyncio.CancelledError:
+            if cut and task.uncancel() == 0:
+                raise asyncio.TimeoutError from None
+            raise
+        finally:
+            handle.cancel()
 
     # -- exit --------------------------------------------------------------------------------
 
+    async def serve(self, answer: Awaitable[tuple[R, Outcome | None]], send: Callable[[R], Awaitable[None]]) -> None:
+        """The exit of an admitted request whose front builds its answer itself (HTTP; the gRPC
+        front's is `async with`). `answer` runs the generation and gives the reply and its outcome.
+        A reply sent whole is recorded and the request released before `send` sends it (its load
+        report no longer counts the request); a stream (outcome None) keeps the request until it
+        has been sent, however its sending ends. An exception or a cancellation closes it without
+        an outcome: the client went away (or, had vLLM finished it, ok)."""
+        reply, outcome, whole = None, Outcome(), False
+        try:
+            reply, kept = await answer
+            if kept is None:
+                await send(reply)
+            else:
+                outcome, whole = kept, True
+        finally:
+            await self.close(outcome.error, outcome.status)
+        if whole:
+            await send(reply)
+
     async def close(self, error: BaseException | None = None, status: str | None = None) -> None:
         """Record the outcome and release the request (abort it in vLLM if it may still run).
-        `status` overrides the outcome (the HTTP status vLLM's layer answered with).
-        Idempotent: the HTTP stream also calls it when its response ends before the body began."""
+        `status` overrides the outcome (the HTTP status vLLM's layer answered with). Called from
+        the two exits, `__aexit__` and `serve`; idempotent."""
         if self._closed:
             return
         self._closed = True

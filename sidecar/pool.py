@@ -1,6 +1,7 @@
 """The pool as this sidecar serves it: the model ladder, its breakers fed by the monitors,
-admission, the state events, the drill faults, and each request's lifecycle. Both fronts and
-the admin API share one `Pool`.
+admission, the state events and the drill faults. Both fronts and the admin API share one `Pool`;
+each request's life in it is a `lifecycle.RequestLifecycle` on the pool (which the pool does not
+know of).
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ from .admission import AdmissionControl
 from .breakers import Breaker, PoolPolicy, Transition
 from .config import SidecarConfig
 from .engines import Ladder, ModelEngine
-from .errors import SidecarError
 from .events import BreakerChanged, Draining, EventBus
 from .faults import Faults
-from .lifecycle import Front, RequestLifecycle, refuse
 from .load_report import LoadReporter
 from .metrics import SidecarMetrics
 from .monitors import CpuLoad, FromFunction, GpuMemory, KvCache, Readings, RequestWindow
-from .requests import GenerationRequest
 
 log = logging.getLogger("infermesh.sidecar.pool")
 
@@ -91,17 +89,10 @@ class Pool:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def lifecycle(self, req: GenerationRequest, front: Front, api: str) -> RequestLifecycle:
-        return RequestLifecycle(self, req, front, api)
-
     def note_bound_for(self, bound_for: str | None) -> None:
         """Count a generation request the mesh bound for another pool (a spill reaching us)."""
         if bound_for and bound_for != self.config.pool:
             self.metrics.spilled_in.labels(bound_for=bound_for[:64]).inc()
-
-    def refuse(self, front: Front, api: str, request_class: str, error: SidecarError) -> None:
-        """Count a request refused before it was a GenerationRequest (bad input)."""
-        refuse(self, front, api, request_class, error)
 
     def model_ids(self) -> list[str]:
         return [m.name for m in self.config.models]

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from infermesh.sidecar.admission import EngineSlots, TargetUnreachable
-from infermesh.sidecar.lifecycle import Front
+from infermesh.sidecar.lifecycle import Front, RequestLifecycle
 from infermesh.sidecar.requests import GenerationRequest
 from infermesh.settings import ClassSettings
 
@@ -168,17 +168,17 @@ def test_lifecycles_wait_for_the_slot_and_are_refused_before_vllm(make_pool, fak
         first = asyncio.Event()
 
         async def hold():
-            async with pool.lifecycle(req(), Front.GRPC, "generate") as life:
+            async with RequestLifecycle(pool, req(), Front.GRPC, "generate") as life:
                 async for _ in life.events():
                     first.set()
 
         holder = asyncio.create_task(hold())
         await first.wait()
         # Nothing measured and the one slot busy: one may wait, the next is refused at once.
-        waiting = pool.lifecycle(req(), Front.GRPC, "generate")
+        waiting = RequestLifecycle(pool, req(), Front.GRPC, "generate")
         waiting.admit()
         with pytest.raises(TargetUnreachable):
-            pool.lifecycle(req(), Front.GRPC, "generate").admit()
+            RequestLifecycle(pool, req(), Front.GRPC, "generate").admit()
         slots.measured_hold(0.4)  # as if measured: 2.5 starts a second
 
         async def wait_then_generate():
@@ -304,10 +304,10 @@ def test_an_http_stream_without_a_first_token_by_its_target_is_503_and_its_wait_
     slots = pool.admission.slots["big"]
 
     async def run():
-        holder = pool.lifecycle(req(), Front.HTTP, "chat")
+        holder = RequestLifecycle(pool, req(), Front.HTTP, "chat")
         holder.admit()
         assert holder.req.ttft_give_up_s is None, "a slot at once: no limit, served however late vLLM is"
-        life = pool.lifecycle(req(), Front.HTTP, "chat")
+        life = RequestLifecycle(pool, req(), Front.HTTP, "chat")
         life.admit()
         assert life.req.ttft_give_up_s == 1.0, "in line: the class's target is its limit on HTTP"
         slots.finish(holder.admission.waiter, ran=False)  # the holder goes: the one in line starts

@@ -11,7 +11,7 @@ import pytest
 from infermesh.sidecar.errors import EngineFailed, Overloaded
 from infermesh.sidecar.events import BreakerChanged, Draining
 from infermesh.sidecar.grpc_api import AdminServicer
-from infermesh.sidecar.lifecycle import Front
+from infermesh.sidecar.lifecycle import Front, RequestLifecycle
 from infermesh.sidecar.requests import Completion, GenerationRequest, TokenDelta
 
 CFG = {
@@ -48,7 +48,7 @@ async def held_stream(pool, front: Front, api: str) -> asyncio.Task:
     first = asyncio.Event()
 
     async def consume():
-        async with pool.lifecycle(req(), front, api) as life:
+        async with RequestLifecycle(pool, req(), front, api) as life:
             async for _ in life.events():
                 first.set()
 
@@ -63,7 +63,7 @@ def test_normal_end_admits_records_once_and_releases_without_abort(make_pool):
 
     async def run():
         seen = []
-        async with pool.lifecycle(req(), Front.GRPC, "generate") as life:
+        async with RequestLifecycle(pool, req(), Front.GRPC, "generate") as life:
             assert pool.inflight == 1 and pool.primary.inflight == 1
             async for ev in life.events():
                 seen.append(ev)
@@ -87,7 +87,7 @@ def test_an_exception_in_the_front_aborts_and_counts_the_client_as_gone(make_poo
     llm = pool.primary.engine
 
     async def run():
-        async with pool.lifecycle(req(), Front.HTTP, "chat") as life:
+        async with RequestLifecycle(pool, req(), Front.HTTP, "chat") as life:
             async for _ in life.events():
                 raise RuntimeError("the front failed to format a chunk")
 
@@ -141,7 +141,7 @@ def test_an_engine_failure_is_an_error_without_abort(make_pool):
     llm.fail_after = 1
 
     async def run():
-        async with pool.lifecycle(req(), Front.GRPC, "generate") as life:
+        async with RequestLifecycle(pool, req(), Front.GRPC, "generate") as life:
             async for _ in life.events():
                 pass
 
@@ -157,7 +157,7 @@ def test_refusal_is_counted_once_and_holds_no_slot(make_pool):
     pool.admission.inflight.update({"a": pool.primary, "b": pool.primary})
 
     async def run():
-        async with pool.lifecycle(req(), Front.HTTP, "completions"):
+        async with RequestLifecycle(pool, req(), Front.HTTP, "completions"):
             raise AssertionError("not admitted")
 
     with pytest.raises(Overloaded):
@@ -173,7 +173,7 @@ def test_a_stream_that_never_began_is_released_by_close(make_pool):
     pool = make_pool(CFG)
 
     async def run():
-        life = pool.lifecycle(req(), Front.HTTP, "chat")
+        life = RequestLifecycle(pool, req(), Front.HTTP, "chat")
         life.admit()
         assert pool.inflight == 1
         await life.close()
@@ -188,10 +188,10 @@ def test_coalescing_waits_only_under_load(make_pool):
     pool = make_pool(CFG)
 
     async def run():
-        a = pool.lifecycle(req(), Front.GRPC, "generate")
+        a = RequestLifecycle(pool, req(), Front.GRPC, "generate")
         a.admit()
         alone = a._pause_s()
-        b = pool.lifecycle(req(), Front.GRPC, "generate")
+        b = RequestLifecycle(pool, req(), Front.GRPC, "generate")
         b.admit()
         loaded = a._pause_s()
         await a.close()
@@ -209,7 +209,7 @@ def test_the_degraded_model_serves_under_its_name_and_says_why(make_pool, fake_c
     pool.sample()
 
     async def run():
-        async with pool.lifecycle(req(), Front.GRPC, "generate") as life:
+        async with RequestLifecycle(pool, req(), Front.GRPC, "generate") as life:
             return [ev async for ev in life.events()][-1]
 
     final = asyncio.run(run())

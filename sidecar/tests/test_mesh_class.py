@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from infermesh.sidecar.config import ConfigError, SidecarConfig, load_config
-from infermesh.sidecar.lifecycle import Front
+from infermesh.sidecar.lifecycle import Front, RequestLifecycle
 from infermesh.sidecar.mesh_class import mesh_class, mesh_pool, peer_address, trusted
 from infermesh.sidecar.requests import GenerationRequest
 
@@ -88,11 +88,11 @@ def test_a_request_without_the_meshs_class_gets_the_default_class_and_an_unknown
                           ({}, "ipv4:127.0.0.1:1"),  # missing
                           ({"x-infermesh-class": "vip-made-up"}, "ipv4:127.0.0.1:1")]:  # unknown
         req = GenerationRequest(model=None, prompt="x", request_class=mesh_class(CONFIG, headers, peer))
-        life = pool.lifecycle(req, Front.GRPC, "generate")
+        life = RequestLifecycle(pool, req, Front.GRPC, "generate")
         assert life.admit().request_class == "batch", (headers, peer)
         pool.admission.forget(life.admission.request_id)
     req = GenerationRequest(model=None, prompt="x", request_class=mesh_class(CONFIG, {"x-infermesh-class": "interactive"}, "ipv4:127.0.0.1:1"))
-    assert pool.lifecycle(req, Front.GRPC, "generate").admit().request_class == "interactive"
+    assert RequestLifecycle(pool, req, Front.GRPC, "generate").admit().request_class == "interactive"
 
 
 def test_a_trusted_peers_entry_that_is_no_network_fails_at_start_naming_it(tmp_path):

@@ -7,7 +7,7 @@ from prometheus_client import generate_latest
 
 from infermesh.sidecar.config import SidecarConfig
 from infermesh.sidecar.errors import BadRequest, Overloaded
-from infermesh.sidecar.lifecycle import Front
+from infermesh.sidecar.lifecycle import Front, RequestLifecycle, refuse
 from infermesh.sidecar.metrics import OTHER, UNCONFIGURED_CAP, LabelBound, SidecarMetrics
 from infermesh.sidecar.requests import GenerationRequest
 
@@ -61,13 +61,13 @@ def test_a_pools_own_metrics_bound_what_the_lifecycle_and_the_pool_label(make_po
     pool.metrics = SidecarMetrics.of(CONFIG)
 
     async def serve(cls: str) -> None:
-        async with pool.lifecycle(GenerationRequest(model=None, prompt="ab", request_class=cls), Front.GRPC, "generate") as life:
+        async with RequestLifecycle(pool, GenerationRequest(model=None, prompt="ab", request_class=cls), Front.GRPC, "generate") as life:
             async for _ in life.events():
                 pass
 
     asyncio.run(serve("made-up"))
     asyncio.run(serve("interactive"))
-    pool.refuse(Front.HTTP, "chat", "another-made-up", BadRequest("bad", param="x"))
+    refuse(pool, Front.HTTP, "chat", "another-made-up", BadRequest("bad", param="x"))
     pool.note_bound_for("made-up-pool")
     pool.note_bound_for("batch")
     assert label_values(pool.metrics, "request_class") == {"interactive", OTHER}
