@@ -16,6 +16,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+HTTP_PORT = 8000
+"""A sidecar's OpenAI HTTP front, unless configured otherwise (the chart's `ports.http` default is held equal by a test)."""
+GRPC_PORT = 50051
+"""A sidecar's gRPC front, unless configured otherwise (the chart's `ports.grpc` likewise)."""
 """Class, pool, rule and breaker names: they end up in header values and metric names."""
 
 

@@ -17,7 +17,7 @@ from typing import Annotated
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from infermesh.settings import (NAME, BreakerConfig, ClassSettings, ModelSettings, MonitorSettings, PoolSettings,
+from infermesh.settings import (GRPC_PORT, HTTP_PORT, NAME, BreakerConfig, ClassSettings, ModelSettings, MonitorSettings, PoolSettings,
                                 ServingSettings, Strict, check_ladder)
 
 # The settings the mesh policy can set are defined once, in infermesh/settings.py; the names
@@ -40,9 +40,9 @@ class ServerConfig(ServingSettings):
 
     host: str = "127.0.0.1"
     """Bind address of the serving ports."""
-    http_port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    http_port: Annotated[int, Field(ge=0, le=65535)] = HTTP_PORT
     """OpenAI-compatible HTTP front."""
-    grpc_port: Annotated[int, Field(ge=0, le=65535)] = 50051
+    grpc_port: Annotated[int, Field(ge=0, le=65535)] = GRPC_PORT
     """gRPC front (infermesh.v1.Inference, grpc.health.v1)."""
     drain_grace_s: Annotated[float, Field(ge=0, le=3600)] = 20.0
     """On SIGTERM, how long in-flight streams may take to finish."""

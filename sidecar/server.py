@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2
 from pydantic import ValidationError
 
 from infermesh.logs import setup_logging
+from infermesh.settings import GRPC_PORT, HTTP_PORT
 
 from .config import ConfigError, SidecarConfig, load_config
 from .grpc_api import BELOW_LEVEL_SERVICES, FULL_SERVICE, INFERENCE_SERVICE, below_level_service, start_admin_grpc, start_grpc
@@ -186,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = parser.add_argument_group("with --policy")
     gen.add_argument("--pool", help="the pool this sidecar serves")
     gen.add_argument("--host", default="127.0.0.1", help="bind address of the serving ports (default 127.0.0.1; the admin API stays on loopback)")
-    gen.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP front (default 8000)")
-    gen.add_argument("--grpc-port", type=int, default=50051, help="gRPC front (default 50051)")
+    gen.add_argument("--http-port", type=int, default=HTTP_PORT, help=f"OpenAI HTTP front (default {HTTP_PORT})")
+    gen.add_argument("--grpc-port", type=int, default=GRPC_PORT, help=f"gRPC front (default {GRPC_PORT})")
     gen.add_argument("--instance", default="0", help="this replica's id in the pool (the chart passes the pod name)")
     gen.add_argument("--models-dir", help="where models without a path live (default: $INFERMESH_HOME/models)")
     gen.add_argument("--drain-grace-s", type=float, help="on SIGTERM, how long in-flight streams may take (default: the sidecar's, 20 s)")

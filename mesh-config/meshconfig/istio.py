@@ -40,6 +40,8 @@ from typing import Literal
 
 import yaml
 
+from infermesh.settings import GRPC_PORT, HTTP_PORT
+
 from .istio_parts import (  # noqa: F401  (chart_parts, route_parts, helm_values, …: the CLI's and tests' names)
     ISTIO_DECISIONS,
     SPILL_PANIC_THRESHOLD,
@@ -75,9 +77,9 @@ class IstioOptions:
     """Namespace of the pools, their Services and the routing objects."""
     cluster_domain: str = "cluster.local"
     """The cluster's DNS domain (Service FQDNs in routes and DestinationRules)."""
-    http_port: int = 8000
+    http_port: int = HTTP_PORT
     """The sidecars' OpenAI HTTP front."""
-    grpc_port: int = 50051
+    grpc_port: int = GRPC_PORT
     """The sidecars' gRPC front (infermesh.v1.Inference, grpc.health.v1)."""
     fail_strategy: Literal["FAIL_OPEN", "FAIL_CLOSE"] = "FAIL_OPEN"
     """FAIL_OPEN as in plain Envoy: a broken filter sends traffic to the default pool instead of

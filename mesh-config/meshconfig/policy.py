@@ -65,7 +65,7 @@ import yaml
 from pydantic import (AfterValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
                       model_validator)
 
-from infermesh.settings import (LEVEL_DOWN, NAME, ClassSettings, ModelSettings, PoolSettings, ServingSettings,
+from infermesh.settings import (GRPC_PORT, HTTP_PORT, LEVEL_DOWN, NAME, ClassSettings, ModelSettings, PoolSettings, ServingSettings,
                                 Strict, check_ladder)
 
 from .filter_regex import SIZE_LIMIT as REGEX_SIZE_LIMIT, regex_error, size_limit as regex_size_limit
@@ -533,8 +533,8 @@ class Policy(Strict):
             cfg["degraded_routing"] = degraded
         return cfg
 
-    def sidecar_config(self, pool: str, models_dir: Path, *, host: str = "127.0.0.1", http_port: int = 8000,
-                       grpc_port: int = 50051, admin_port: int = 0, admin_grpc_port: int = 0, instance: str = "0") -> dict:
+    def sidecar_config(self, pool: str, models_dir: Path, *, host: str = "127.0.0.1", http_port: int = HTTP_PORT,
+                       grpc_port: int = GRPC_PORT, admin_port: int = 0, admin_grpc_port: int = 0, instance: str = "0") -> dict:
         """One pool's sidecar config (infermesh.sidecar.config.SidecarConfig), every setting explicit."""
         p = self.pools[pool]
         models = [m.model_dump(exclude={"path"}) | {"path": m.path or str(models_dir / m.name)} for m in p.models]

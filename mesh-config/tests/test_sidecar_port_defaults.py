@@ -1,7 +1,7 @@
-"""The sidecar's serving ports (8000 HTTP, 50051 gRPC) are written as defaults in five places:
-the sidecar's config model, its command line, the policy's sidecar config, the Istio options and
-the chart's values. Until they come from one constant (issue 29: the shared base,
-infermesh/settings.py), this test fails on any difference between them."""
+"""The sidecar's serving ports (8000 HTTP, 50051 gRPC) are defaults in five places: the sidecar's
+config model, its command line, the policy's sidecar config and the Istio options all read
+settings.HTTP_PORT / GRPC_PORT; the chart's values cannot import them. This test fails on any
+difference between them."""
 
 from __future__ import annotations
 
@@ -33,3 +33,5 @@ def test_every_default_of_the_sidecar_ports_is_the_same():
     }
     assert len(set(places.values())) == 1, places
     assert places["sidecar/config.py ServerConfig"] == (8000, 50051)
+    from infermesh.settings import GRPC_PORT, HTTP_PORT
+    assert (HTTP_PORT, GRPC_PORT) == (8000, 50051)
