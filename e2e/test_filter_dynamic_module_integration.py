@@ -3,14 +3,14 @@ docs/filter-native-module.md) in the real Envoy binary, against the compiled Was
 same config: both Envoys get the same requests and must reach the same pool with the same
 headers. Then degraded-mode routing through the native module, with the fake sidecars of
 e2e/test_pool_state_integration.py (level header, state endpoint and its faults chosen by the
-test).
+test). The filter's contract tests (chunked bodies, counters, a trusted source, invalid
+configs) run against both runtimes in e2e/test_filter_envoy_integration.py.
 
 The shared object is built by scripts/build-native-filter.sh (incremental: seconds when built).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import sys
 import time
@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from e2e.test_filter_envoy_integration import FILTER_CONFIG, EnvoyUnderTest, grpc_fronts, not_found  # noqa: F401 (a fixture)
+from e2e.test_filter_envoy_integration import FILTER_CONFIG, EnvoyUnderTest, filter_stats, grpc_fronts, not_found  # noqa: F401 (a fixture)
 from e2e.test_pool_state_integration import (
     LEVEL, STATE_FAULTS, back_to_normal, batch, chat, get, pool_state_mesh, request, unreadable_state_leaves_routing_normal, until)
 from infermesh import paths
@@ -29,10 +29,6 @@ from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(paths.REPO_ROOT / "filter" / "bench"))
 from native_module import NATIVE_SO  # noqa: E402
-
-# The native module's counters: Envoy's dynamic-modules namespace, then the Wasm filter's names.
-STATS_PREFIX = "dynamicmodulescustom."
-
 
 @pytest.fixture(scope="module")
 def native_so(native_module) -> Path:
@@ -52,13 +48,8 @@ def envoy_stat(admin: str, name: str) -> int:
 
 
 def stats(admin: str) -> dict[str, int]:
-    text = urllib.request.urlopen(admin + "/stats?filter=^" + STATS_PREFIX.replace(".", r"\.") + "infermesh", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(": ")
-        if value.strip().isdigit():
-            out[name[len(STATS_PREFIX):]] = int(value)
-    return out
+    """The native module's counters (Envoy's dynamic-modules namespace, the Wasm filter's names)."""
+    return filter_stats(admin, "native")
 
 
 @pytest.fixture(scope="module")
@@ -142,74 +133,6 @@ def test_same_grpc_verdict_as_the_wasm_filter(pair):
 def test_paths_the_edge_does_not_serve_get_the_same_404_from_both(pair):
     for path in ("/anything?x=1", "/v1/embeddings", "/metrics", "/infermesh/state"):
         assert not_found(pair["wasm"].base, path, "GET") == not_found(pair["native"].base, path, "GET"), path
-
-
-def test_body_rules_and_fallbacks_are_counted_as_the_wasm_filter_counts_them(pair):
-    native = pair["native"]
-    before = stats(native.admin)
-    send(native.base, "POST", "/v1/chat/completions", {}, {"n": 9})
-    send(native.base, "POST", "/v1/chat/completions", {}, bytes(range(256)) * 4)
-    send(native.base, "POST", "/v1/completions", {"x-infermesh-pool": "interactive"}, {})
-    after = stats(native.admin)
-    for name in ("infermesh.requests_total.class.batch.pool.batch.rule.chat-many",
-                 "infermesh.body_fallbacks_total.reason.invalid_json", "infermesh.stripped_requests_total"):
-        assert after.get(name, 0) == before.get(name, 0) + 1, name
-
-
-def test_chunked_bodies(pair):
-    for name, e in pair.items():
-        conn = http.client.HTTPConnection("127.0.0.1", e.listen, timeout=20)
-        body = json.dumps({"n": 5}).encode()
-        conn.request("POST", "/v1/chat/completions", body=iter([body[:3], body[3:]]), headers={"content-type": "application/json"},
-                     encode_chunked=True)
-        r = conn.getresponse()
-        got = json.loads(r.read())
-        assert r.status == 200 and got["headers"]["x-infermesh-rule"] == "chat-many", name
-        # A chunked body that outgrows body.max_bytes: let go, decided on the headers, delivered whole.
-        conn = http.client.HTTPConnection("127.0.0.1", e.listen, timeout=20)
-        conn.putrequest("POST", "/v1/chat/completions")
-        conn.putheader("content-type", "application/json")
-        conn.putheader("transfer-encoding", "chunked")
-        conn.endheaders()
-        head, piece, tail = b'{"max_tokens": 5000, "messages": [{"role":"user","content":"', b"x" * 65536, b'"}]}'
-        conn.send(b"%x\r\n%s\r\n" % (len(head), head))
-        for _ in range(20):
-            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
-        conn.send(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
-        r = conn.getresponse()
-        got = json.loads(r.read())
-        assert r.status == 200 and got["headers"]["x-infermesh-rule"] == "chat" and got["body_len"] > 20 * 65536, name
-
-
-def test_a_trusted_source_keeps_an_upstream_decision(upstreams, native_so, tmp_path):
-    cfg = dict(FILTER_CONFIG, trusted_sources={"cidrs": ["127.0.0.0/8"]})
-    e = NativeEnvoy(tmp_path, cfg, upstreams, native_so, native_rules=False)
-    try:
-        assert e.wait_ready(), e.log()[-2000:]
-        got = send(e.base, "POST", "/v1/completions", {"x-infermesh-pool": "interactive", "x-infermesh-class": "interactive"}, {})
-        assert got[:4] == ("interactive", "interactive", "interactive", None), "kept as the trusted hop sent it"
-        # Without a complete decision the trusted hop's partial headers do not skip classification.
-        assert send(e.base, "POST", "/v1/chat/completions", {"x-infermesh-rule": "x"}, {})[3] == "chat"
-        assert stats(e.admin).get("infermesh.requests_total.class.interactive.pool.interactive.rule.trusted") == 1
-    finally:
-        e.stop()
-
-
-@pytest.mark.parametrize(
-    "bad, field",
-    [
-        ('{"version": 1, "default_class": "nope", "classes": {"batch": {"pool": "batch"}}}', "default_class"),
-        ('{"version": 2, "default_class": "batch", "classes": {"batch": {"pool": "batch"}}}', "version"),
-        ("not json at all", "$"),
-    ],
-)
-def test_an_invalid_config_is_refused_with_the_field_named(upstreams, native_so, tmp_path, bad, field):
-    e = NativeEnvoy(tmp_path, bad, upstreams, native_so)
-    try:
-        assert not e.wait_ready(timeout=15), "a static config the module refuses: Envoy does not start"
-        assert f"invalid infermesh filter config at `{field}`" in e.log()
-    finally:
-        e.stop()
 
 
 # ---- degraded-mode routing: the process-wide state table ----------------------------------------

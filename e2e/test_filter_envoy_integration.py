@@ -1,5 +1,8 @@
-"""Integration: the real Envoy binary with the compiled Wasm filter, in front of two small echo
+"""Integration: the real Envoy binary with the compiled filter, in front of two small echo
 upstreams (one per pool) that report which of them got the request and with which headers.
+The filter's contract is one for both runtimes: a test of it runs against the Wasm module and
+the native dynamic module (`runtime`: RUNTIMES), which run the same request flow
+(filter/src/request_flow.rs).
 
 No vLLM here: these tests pin the filter's routing contract fast; the e2e tests then run the
 same path with real sidecars.
@@ -129,9 +132,36 @@ def grpc_fronts():
         f.stop()
 
 
-@pytest.fixture(scope="module")
-def envoy(upstreams, grpc_fronts, tmp_path_factory):
-    e = EnvoyUnderTest(tmp_path_factory.mktemp("envoy"), FILTER_CONFIG, upstreams, grpc_pools=grpc_fronts)
+# The filter's two runtimes, and where Envoy keeps each one's counters.
+RUNTIMES = ("wasm", "native")
+STATS_PREFIX = {"wasm": "wasmcustom.", "native": "dynamicmodulescustom."}
+
+
+def filter_envoy(request, workdir: Path, filter_config: dict | str, pools: dict[str, int], runtime: str, **kw) -> EnvoyUnderTest:
+    """EnvoyUnderTest with the filter in `runtime`: the Wasm module or the native dynamic module
+    (built by the session's `native_module` fixture)."""
+    module = request.getfixturevalue("native_module") if runtime == "native" else None
+    e = EnvoyUnderTest(workdir, filter_config, pools, native_module=module, **kw)
+    e.runtime = runtime
+    return e
+
+
+def filter_stats(admin: str, runtime: str) -> dict[str, int]:
+    """The filter's counters by name (after the runtime's prefix), from Envoy's /stats."""
+    prefix = STATS_PREFIX[runtime]
+    text = urllib.request.urlopen(admin + "/stats?filter=^" + prefix.replace(".", r"\.") + "infermesh", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        if value.strip().isdigit():
+            out[name[len(prefix):]] = int(value)
+    return out
+
+
+@pytest.fixture(scope="module", params=RUNTIMES)
+def envoy(request, upstreams, grpc_fronts, tmp_path_factory):
+    e = filter_envoy(request, tmp_path_factory.mktemp(f"envoy-{request.param}"), FILTER_CONFIG, upstreams, request.param,
+                     grpc_pools=grpc_fronts)
     assert e.wait_ready(), "envoy did not start:\n" + e.log()[-3000:]
     yield e
     e.stop()
@@ -309,18 +339,28 @@ def test_spoofed_routing_headers_are_replaced(envoy):
     spoof["x-infermesh-pool"] = "batch"
     assert call(envoy.base, "/v1/chat/completions", headers=spoof)["upstream"] == "interactive"
     assert metric(prom(envoy), "infermesh_stripped_requests_total") >= 2
+    # Counted once per request, whatever it sent.
+    before = filter_stats(envoy.admin, envoy.runtime).get("infermesh.stripped_requests_total", 0)
+    call(envoy.base, "/v1/completions", headers={"x-infermesh-pool": "interactive"})
+    assert filter_stats(envoy.admin, envoy.runtime).get("infermesh.stripped_requests_total", 0) == before + 1
 
 
-def test_trusted_source_keeps_an_upstream_decision(upstreams, tmp_path):
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("native_rules", (True, False), ids=("native-rules", "filter-only"))
+def test_trusted_source_keeps_an_upstream_decision(request, upstreams, tmp_path, runtime, native_rules):
     cfg = dict(FILTER_CONFIG, trusted_sources={"cidrs": ["127.0.0.0/8"]})
-    e = EnvoyUnderTest(tmp_path, cfg, upstreams)
+    e = filter_envoy(request, tmp_path, cfg, upstreams, runtime, native_rules=native_rules)
     try:
         assert e.wait_ready(), e.log()[-2000:]
         got = call(e.base, "/v1/completions", headers={"x-infermesh-pool": "interactive", "x-infermesh-class": "interactive"})
+        h = got["headers"]
         assert got["upstream"] == "interactive" and got["headers"]["x-infermesh-class"] == "interactive"
+        assert (got["upstream"], h.get("x-infermesh-pool"), h.get("x-infermesh-class"), h.get("x-infermesh-rule")) == \
+            ("interactive", "interactive", "interactive", None), "kept as the trusted hop sent it"
         # Without a complete decision the trusted hop's partial headers do not skip classification.
         got = call(e.base, "/v1/chat/completions", headers={"x-infermesh-rule": "x"})
         assert decided(got)[2] == "chat"
+        assert filter_stats(e.admin, e.runtime).get("infermesh.requests_total.class.interactive.pool.interactive.rule.trusted") == 1
     finally:
         e.stop()
 
@@ -349,10 +389,11 @@ def test_decisions_are_counted_by_class_pool_and_rule(envoy):
         ("not json at all", "$"),
     ],
 )
-def test_invalid_config_is_refused_with_the_field_named(upstreams, tmp_path, bad, field):
-    e = EnvoyUnderTest(tmp_path, bad, upstreams)
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_invalid_config_is_refused_with_the_field_named(request, upstreams, tmp_path, runtime, bad, field):
+    e = filter_envoy(request, tmp_path, bad, upstreams, runtime)
     try:
-        e.wait_ready(timeout=15)
+        assert not e.wait_ready(timeout=15), "a static config the filter refuses: Envoy does not start"
         time.sleep(0.5)
         assert f"invalid infermesh filter config at `{field}`" in e.log()
     finally:

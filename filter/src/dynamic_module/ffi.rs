@@ -4,18 +4,19 @@
 //! (worse than a Wasm VM), so every pointer Envoy hands over is checked and every failed host
 //! call falls back to routing as if the filter were not there.
 
-use super::{probe_answer, pools_to_probe, CounterId, Host, ModuleConfig, Next, StateError, Stream};
+use crate::process_pool_table::{pools_to_probe, PoolTable};
 use crate::config::FilterConfig;
 use crate::envoy_abi::*;
 use crate::pool_state::HEADER_POOL_LEVEL;
+use crate::request_flow::{now_ms, probe_answer, Accepted, CounterId, Host, Next, StateError, Stream, STATE_PATH};
 use std::collections::HashMap;
 use std::os::raw::c_char;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// The state endpoint of a sidecar's serving port (sidecar/state_api.py).
-const STATE_PATH: &str = "/infermesh/state";
+/// One accepted configuration, shared by every worker's streams.
+type ModuleConfig = Accepted<PoolTable>;
 
 /// A non-null pointer for the do-nothing build's hooks, which must return one.
 static NOOP: u8 = 0;
@@ -108,7 +109,7 @@ impl Host for Envoy {
         unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.ptr) }
     }
 
-    fn request_body(&self) -> Vec<&[u8]> {
+    fn request_body(&mut self) -> Vec<&[u8]> {
         let mut parts: Vec<&[u8]> = Vec::new();
         self.chunks(BUFFERED_REQUEST_BODY, &mut parts);
         if !self.received_is_buffered() {
@@ -259,7 +260,7 @@ impl Module {
             Some(d) => d,
             None => return,
         };
-        for (pool, cluster) in pools_to_probe(d, &self.cfg.pools, super::now_ms()) {
+        for (pool, cluster) in pools_to_probe(d, &self.cfg.pools, now_ms()) {
             let mut headers = [
                 ModuleHeader::of(b":method", b"GET"),
                 ModuleHeader::of(b":path", STATE_PATH.as_bytes()),
@@ -397,7 +398,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
     let find = |name: &str| {
         hs.iter().find(|h| utf8(h.key_ptr, h.key_length) == Some(name)).and_then(|h| utf8(h.value_ptr, h.value_length))
     };
-    if let Err(e) = probe_answer(d, &m.cfg.pools, find(":status"), find(HEADER_POOL_LEVEL), super::now_ms()) {
+    if let Err(e) = probe_answer(d, &m.cfg.pools, find(":status"), find(HEADER_POOL_LEVEL), now_ms()) {
         m.state_error(e);
     }
 }

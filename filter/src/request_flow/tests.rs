@@ -1,8 +1,13 @@
-//! The dynamic-module glue's request flow against a fake host (no Envoy): what it writes,
-//! strips, counts and answers. The real ABI is exercised by
-//! e2e/test_filter_dynamic_module_integration.py.
+//! The request flow against a fake host (no Envoy), with the native module's pool state table:
+//! what it writes, strips, counts and answers. The real hosts are exercised by
+//! e2e/test_filter_envoy_integration.py and e2e/test_filter_dynamic_module_integration.py.
 
 use super::*;
+use crate::config::{FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE};
+use crate::pool_state::HEADER_POOL_LEVEL;
+use crate::process_pool_table::{pools_to_probe, PoolTable};
+
+type ModuleConfig = Accepted<PoolTable>;
 
 /// A fake `Host`: header maps, a body, what was sent and counted.
 #[derive(Default)]
@@ -51,7 +56,7 @@ impl Host for FakeHost {
     fn clear_route_cache(&mut self) {
         self.route_cache_clears += 1;
     }
-    fn request_body(&self) -> Vec<&[u8]> {
+    fn request_body(&mut self) -> Vec<&[u8]> {
         let mut parts = Vec::new();
         let mut rest = &self.body[..];
         for &n in &self.body_cuts {
@@ -430,7 +435,7 @@ fn without_degraded_routing_the_level_header_is_only_removed() {
     assert!(cfg.pools.newest_ms("interactive") == 0);
 }
 
-// ---- the request path on any input, natively (the Wasm glue runs the same core) ----------------
+// ---- the request path on any input, natively (both runtimes run this flow) ----------------------
 
 /// A host whose headers are bytes, as Envoy's are: names and values need not be UTF-8.
 #[derive(Default)]
@@ -463,7 +468,7 @@ impl Host for ByteHost {
         self.request.retain(|(k, _)| k != name);
     }
     fn clear_route_cache(&mut self) {}
-    fn request_body(&self) -> Vec<&[u8]> {
+    fn request_body(&mut self) -> Vec<&[u8]> {
         let (a, b) = self.body.split_at(self.cut.min(self.body.len()));
         vec![a, b]
     }

@@ -1,0 +1,477 @@
+//! The filter's request flow, written once for both runtimes: the header hook, the body hook
+//! (and trailers), the response hook, the decision written back or the request shed.
+//!
+//! Everything a runtime differs in is behind two traits: [`Host`] (one stream's headers, body,
+//! local reply and counters: proxy-wasm in `glue.rs`, Envoy's dynamic-module ABI in
+//! `dynamic_module/ffi.rs`, fakes in the tests) and [`PoolStates`] (the pool state table:
+//! proxy-wasm shared data in `shared_pool_table.rs`, one process-wide table in
+//! `dynamic_module.rs`). The decisions themselves are the pure core's (`classify`, `body`,
+//! `pool_state`), so this flow is tested natively.
+
+use crate::body::{parse_body, parse_body_segments};
+use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE};
+use crate::config::{DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX};
+use crate::pool_state::{costs_generation, ReadingError, Verdict, HEADER_POOL_LEVEL};
+use crate::stats::TrustedCounters;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Why the pool state table could not use something: the filter then routes normally.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateError {
+    /// A response's or probe's `x-infermesh-pool-level` is not `POOL;LEVEL;REPLICA`.
+    BadHeader = 0,
+    /// A probe's reading names a pool the config keeps no state for (a response's is dropped:
+    /// every sidecar sends one, and only the pools that shed are kept).
+    UnknownPool,
+    /// The probe got no response (reset, no connection); a timeout comes back as Envoy's 504.
+    ProbeFailed,
+    /// The probe got a response other than 200.
+    ProbeStatus,
+    /// The probe's cluster does not exist in this Envoy (a pool that went away, a wrong name).
+    NoCluster,
+    /// A shared-data record that does not decode, or a write that kept losing its CAS race
+    /// (only a table in proxy-wasm shared data has these).
+    SharedData,
+}
+
+/// The `reason` label of each `StateError`, in order.
+pub const STATE_ERRORS: [&str; 6] = ["bad_header", "unknown_pool", "probe_failed", "probe_status", "no_cluster", "shared_data"];
+
+impl From<ReadingError> for StateError {
+    fn from(e: ReadingError) -> Self {
+        match e {
+            ReadingError::BadHeader => StateError::BadHeader,
+            ReadingError::UnknownPool => StateError::UnknownPool,
+        }
+    }
+}
+
+/// A counter, as the host defined it (`None`: its definition failed; counting it is a no-op).
+pub type CounterId = Option<usize>;
+
+/// What the flow needs from Envoy for one stream. Header bytes borrowed from the host are valid
+/// until the next write (the dynamic-module ABI's rule), which the borrow of `&self` enforces.
+pub trait Host {
+    /// All request headers, as Envoy holds them (a value is read as UTF-8 only when looked up).
+    fn request_headers(&self) -> Vec<(&[u8], &[u8])>;
+    /// Replace (or, with `None`, remove) a request header.
+    fn set_request_header(&mut self, name: &str, value: Option<&str>);
+    /// Remove every value of a request header, named as the host holds it (a client's name
+    /// need not be UTF-8).
+    fn remove_request_header(&mut self, name: &[u8]);
+    /// Add a request header the map does not hold yet (cheaper than a replace).
+    fn add_request_header(&mut self, name: &str, value: &str);
+    /// After the decision's writes: the route is chosen again on the new headers.
+    fn clear_route_cache(&mut self);
+    /// The request body received so far, as the slices the host holds it in, in order.
+    fn request_body(&mut self) -> Vec<&[u8]>;
+    fn request_body_size(&self) -> usize;
+    /// `source.address` (`IP:PORT`).
+    fn source_address(&self) -> Option<String>;
+    /// The mTLS peer's URI and DNS SANs.
+    fn peer_principals(&self) -> Vec<String>;
+    fn send_response(&mut self, status: u32, headers: &[(&str, &str)], body: &[u8]);
+    /// A response header (a value that is not UTF-8 comes back lossily decoded: no reading
+    /// parses with a replacement character in it).
+    fn response_header(&self, name: &str) -> Option<String>;
+    fn remove_response_header(&mut self, name: &str);
+    fn count(&mut self, id: CounterId);
+    /// Milliseconds since the Unix epoch.
+    fn now_ms(&self) -> u64 {
+        now_ms()
+    }
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The pool state table as a runtime keeps it, for one accepted config.
+pub trait PoolStates: Sized {
+    /// The errors this table can run into: only theirs are defined as counters.
+    const ERRORS: &'static [StateError];
+    fn for_config(d: Option<&DegradedRouting>, metrics: &Metrics) -> Self;
+    fn is_degraded(&self, d: &DegradedRouting, pool: &str, now: u64) -> bool;
+    /// Whether the level header of the response to a request routed to `pool` is read.
+    fn reads_response(&self, _d: &DegradedRouting, _pool: &str, _now: u64) -> bool {
+        true
+    }
+    /// One `x-infermesh-pool-level` value, from a response or a probe (`UnknownPool`: a pool the
+    /// table keeps no state for).
+    fn report(&self, d: &DegradedRouting, value: &str, now: u64) -> Result<(), StateError>;
+}
+
+/// Counter ids, defined once per config (Envoy freezes stat creation after the config is made;
+/// traffic never defines a stat).
+#[derive(Default, Debug)]
+pub struct Metrics {
+    /// One per rule, in rule order, then the default rule.
+    pub decisions: Vec<CounterId>,
+    pub fallbacks: [CounterId; 4],
+    pub stripped: CounterId,
+    /// Decisions kept from trusted sources, by the config's (class, pool) labels; a name the
+    /// config does not define is counted as `other` (crate::stats).
+    pub trusted: TrustedCounters<CounterId>,
+    /// Requests shed at the edge, by class.
+    pub shed: HashMap<String, CounterId>,
+    /// By `StateError`; only the table's `ERRORS` are defined.
+    pub state_errors: [CounterId; 6],
+}
+
+impl Metrics {
+    /// Every counter a config can touch, through `define`; `errors`: the state errors counted.
+    pub fn for_config(config: &FilterConfig, errors: &[StateError], define: &mut dyn FnMut(&str) -> CounterId) -> Metrics {
+        let decision = |define: &mut dyn FnMut(&str) -> CounterId, c: &str, p: &str, r: &str| {
+            define(&format!("infermesh.requests_total.class.{c}.pool.{p}.rule.{r}"))
+        };
+        let mut decisions: Vec<CounterId> = config.rules.iter().map(|r| decision(define, &r.class, &r.pool, &r.name)).collect();
+        decisions.push(decision(define, &config.default_class, &config.default_pool, DEFAULT_RULE));
+        let mut fallbacks = [None; 4];
+        for (slot, f) in fallbacks.iter_mut().zip(Fallback::ALL) {
+            *slot = define(&format!("infermesh.body_fallbacks_total.reason.{}", f.as_str()));
+        }
+        let trusted = TrustedCounters::define(config, define);
+        let (mut shed, mut state_errors) = (HashMap::new(), [None; 6]);
+        if let Some(d) = &config.degraded {
+            for p in d.pools.values() {
+                for c in &p.shed_classes {
+                    if !shed.contains_key(c) {
+                        shed.insert(c.clone(), define(&format!("infermesh.shed_requests_total.class.{c}")));
+                    }
+                }
+            }
+            for e in errors {
+                state_errors[*e as usize] = define(&format!("infermesh.pool_state_errors_total.reason.{}", STATE_ERRORS[*e as usize]));
+            }
+        }
+        Metrics { decisions, fallbacks, stripped: define("infermesh.stripped_requests_total"), trusted, shed, state_errors }
+    }
+}
+
+/// One accepted configuration, with its counters and the pool state table kept for it; every
+/// stream of it reads the same.
+pub struct Accepted<P> {
+    pub filter: FilterConfig,
+    pub metrics: Metrics,
+    pub pools: P,
+}
+
+impl<P: PoolStates> Accepted<P> {
+    pub fn new(filter: FilterConfig, define: &mut dyn FnMut(&str) -> CounterId) -> Accepted<P> {
+        let metrics = Metrics::for_config(&filter, P::ERRORS, define);
+        let pools = P::for_config(filter.degraded.as_ref(), &metrics);
+        Accepted { filter, metrics, pools }
+    }
+}
+
+/// A header snapshot as `classify` reads it (a value that is not UTF-8 is absent: no rule can
+/// match it).
+struct View<'a>(&'a [(&'a [u8], &'a [u8])]);
+
+impl View<'_> {
+    fn get(&self, name: &str) -> Option<&str> {
+        self.0.iter().find(|(k, _)| *k == name.as_bytes()).and_then(|(_, v)| std::str::from_utf8(v).ok())
+    }
+}
+
+impl RequestView for View<'_> {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.get(name)
+    }
+}
+
+fn is_internal(name: &[u8]) -> bool {
+    name.starts_with(INTERNAL_HEADER_PREFIX.as_bytes())
+}
+
+/// Remove every `x-infermesh-*` request header (by the bytes Envoy holds: a lossy UTF-8 copy of
+/// an odd name would remove nothing).
+pub fn strip_internal_headers<H: Host>(host: &mut H) {
+    let names: Vec<Vec<u8>> = host.request_headers().iter().filter(|(k, _)| is_internal(k)).map(|(k, _)| k.to_vec()).collect();
+    for n in &names {
+        host.remove_request_header(n);
+    }
+}
+
+fn is_json(content_type: Option<&str>) -> bool {
+    match content_type {
+        // No content type: OpenAI clients always send one, but curl -d does not say JSON;
+        // trying the parser is cheap and an invalid body falls back anyway.
+        None => true,
+        Some(ct) => {
+            let media = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+            media == "application/json" || media.ends_with("+json")
+        }
+    }
+}
+
+pub fn source_is_trusted<H: Host>(config: &FilterConfig, host: &H) -> bool {
+    if config.trusted.is_empty() {
+        return false;
+    }
+    if !config.trusted.cidrs.is_empty() {
+        let ip = host.source_address().and_then(|s| s.parse::<SocketAddr>().map(|a| a.ip()).ok().or_else(|| s.parse::<IpAddr>().ok()));
+        if let Some(ip) = ip {
+            if config.trusted.cidrs.iter().any(|c| c.contains(&ip)) {
+                return true;
+            }
+        }
+    }
+    !config.trusted.principals.is_empty() && host.peer_principals().iter().any(|p| config.trusted.principals.iter().any(|t| t == p))
+}
+
+/// The header-only part of a decision: the outcome, whether the request generates, and why
+/// the body cannot be used if a body rule asks for it.
+type HeadDecision<'c> = (Outcome<'c>, bool, Option<Fallback>);
+
+fn decide_on_headers<'c>(config: &'c FilterConfig, headers: &[(&[u8], &[u8])], end_of_stream: bool) -> HeadDecision<'c> {
+    let view = View(headers);
+    let outcome = classify(config, &view, Body::NotYet);
+    let generates = costs_generation(view.get(":method").unwrap_or(""), view.get(":path").unwrap_or(""));
+    let why = match outcome {
+        Outcome::Decided(_) => None,
+        Outcome::NeedBody if end_of_stream => Some(Fallback::Missing),
+        Outcome::NeedBody if !is_json(view.get("content-type")) => Some(Fallback::NotJson),
+        Outcome::NeedBody => match view.get("content-length").map(|v| v.trim().parse::<usize>()) {
+            Some(Ok(0)) => Some(Fallback::Missing),
+            Some(Ok(n)) if n > config.max_body_bytes => Some(Fallback::TooLarge),
+            _ => None,
+        },
+    };
+    (outcome, generates, why)
+}
+
+/// What a hook tells Envoy to do next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    Continue,
+    /// Headers: stop until the body is in. Body: keep buffering.
+    Wait,
+    /// A local reply was sent: stop without buffering.
+    Answered,
+}
+
+/// One stream's state between hooks.
+#[derive(Debug)]
+pub struct Stream {
+    waiting_for_body: bool,
+    /// A trusted peer's partial decision is in the header map: the decision's headers replace
+    /// it (otherwise they are added: the map holds no x-infermesh-* header then).
+    replace_headers: bool,
+    /// Whether the request generates (`costs_generation`), kept from the header hook for the
+    /// decision made on the body.
+    generates: bool,
+    /// Whether the response's level header is read (`PoolStates::reads_response`; a request
+    /// not routed by `write`, e.g. a trusted peer's, is always read).
+    read_level: bool,
+}
+
+impl Default for Stream {
+    fn default() -> Stream {
+        Stream { waiting_for_body: false, replace_headers: false, generates: false, read_level: true }
+    }
+}
+
+impl Stream {
+    pub fn on_request_headers<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, end_of_stream: bool) -> Next {
+        let config = &cfg.filter;
+        // One snapshot for the common case: no client-sent x-infermesh-* header.
+        let clean = {
+            let headers = host.request_headers();
+            if headers.iter().any(|(k, _)| is_internal(k)) {
+                None
+            } else {
+                Some(decide_on_headers(config, &headers, end_of_stream))
+            }
+        };
+        let head = match clean {
+            Some(head) => head,
+            None => match self.strip_or_keep(cfg, host, end_of_stream) {
+                Some(head) => head,
+                None => return Next::Continue,
+            },
+        };
+        match head {
+            (Outcome::Decided(d), generates, _) => self.write(cfg, host, &d, generates),
+            (Outcome::NeedBody, generates, Some(why)) => self.decide_now(cfg, host, Body::Unavailable(why), generates),
+            (Outcome::NeedBody, generates, None) => {
+                self.waiting_for_body = true;
+                self.generates = generates;
+                Next::Wait
+            }
+        }
+    }
+
+    /// A request with `x-infermesh-*` headers: a trusted peer's complete decision is kept (None:
+    /// nothing to decide); anything else is stripped (or, from a trusted peer, replaced by the
+    /// decision) and decided on the headers that remain.
+    fn strip_or_keep<'c, H: Host, P: PoolStates>(&mut self, cfg: &'c Accepted<P>, host: &mut H, end_of_stream: bool) -> Option<HeadDecision<'c>> {
+        if source_is_trusted(&cfg.filter, host) {
+            let kept = {
+                let headers = host.request_headers();
+                let view = View(&headers);
+                match (view.get(HEADER_CLASS), view.get(HEADER_POOL)) {
+                    (Some(c), Some(p)) => Some(cfg.metrics.trusted.get(c, p).flatten()),
+                    _ => None,
+                }
+            };
+            if let Some(id) = kept {
+                // An upstream infermesh hop already decided: keep its headers as they are.
+                host.count(id);
+                return None;
+            }
+            // A partial decision: the decision's headers replace what the peer sent.
+            self.replace_headers = true;
+        } else {
+            strip_internal_headers(host);
+            host.count(cfg.metrics.stripped);
+        }
+        let headers = host.request_headers();
+        Some(decide_on_headers(&cfg.filter, &headers, end_of_stream))
+    }
+
+    pub fn on_request_body<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, end_of_stream: bool) -> Next {
+        if !self.waiting_for_body {
+            return Next::Continue;
+        }
+        let generates = self.generates;
+        if host.request_body_size() > cfg.filter.max_body_bytes {
+            // A chunked body outgrew the limit: let it flow and decide on headers.
+            return self.decide_now(cfg, host, Body::Unavailable(Fallback::TooLarge), generates);
+        }
+        if !end_of_stream {
+            return Next::Wait;
+        }
+        self.decide_on_body(cfg, host, generates)
+    }
+
+    /// A body followed by trailers never reports end_of_stream on the body: decide here.
+    pub fn on_request_trailers<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H) -> Next {
+        if !self.waiting_for_body {
+            return Next::Continue;
+        }
+        let generates = self.generates;
+        self.decide_on_body(cfg, host, generates)
+    }
+
+    /// The replica's level is for the mesh only: read into the state table, never passed on.
+    /// Every sidecar sends it, but the table keeps only the pools that shed: a response's
+    /// reading of another pool (one that sheds nothing, or the failover pool that served a
+    /// spilled request) is dropped, not counted as `unknown_pool` (a probe's still is).
+    pub fn on_response_headers<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H) {
+        let value = match &cfg.filter.degraded {
+            Some(_) if self.read_level => host.response_header(HEADER_POOL_LEVEL),
+            _ => None,
+        };
+        host.remove_response_header(HEADER_POOL_LEVEL);
+        if let (Some(d), Some(v)) = (&cfg.filter.degraded, value) {
+            match cfg.pools.report(d, &v, host.now_ms()) {
+                Ok(()) | Err(StateError::UnknownPool) => {}
+                Err(e) => host.count(cfg.metrics.state_errors[e as usize]),
+            }
+        }
+    }
+
+    fn decide_on_body<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, generates: bool) -> Next {
+        let parsed = {
+            let parts = host.request_body();
+            match parts.as_slice() {
+                _ if parts.iter().all(|p| p.is_empty()) => Err(Fallback::Missing),
+                [one] => parse_body(one).map_err(|_| Fallback::InvalidJson),
+                _ => parse_body_segments(&parts).map_err(|_| Fallback::InvalidJson),
+            }
+        };
+        match parsed {
+            Ok(facts) => self.decide_now(cfg, host, Body::Parsed(&facts), generates),
+            Err(why) => self.decide_now(cfg, host, Body::Unavailable(why), generates),
+        }
+    }
+
+    /// Decide with the body known or known to be unavailable (the classifier always decides).
+    fn decide_now<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, body: Body, generates: bool) -> Next {
+        self.waiting_for_body = false;
+        let outcome = {
+            let headers = host.request_headers();
+            classify(&cfg.filter, &View(&headers), body)
+        };
+        match outcome {
+            Outcome::Decided(d) => self.write(cfg, host, &d, generates),
+            Outcome::NeedBody => Next::Continue,
+        }
+    }
+
+    /// Write the decision, after `when_degraded` had its say.
+    fn write<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, d: &Decision, generates: bool) -> Next {
+        let config = &cfg.filter;
+        let m = &cfg.metrics;
+        if let Some(dr) = &config.degraded {
+            let now = host.now_ms();
+            match dr.verdict(d.class, generates, &mut |p| cfg.pools.is_degraded(dr, p, now)) {
+                Verdict::Normal => self.read_level = cfg.pools.reads_response(dr, d.pool, now),
+                Verdict::Shed => {
+                    count_decision(m, host, d);
+                    host.count(m.shed.get(d.class).copied().flatten());
+                    shed(dr, host, d.class);
+                    return Next::Answered;
+                }
+            }
+        }
+        let headers = [(HEADER_CLASS, d.class), (HEADER_POOL, d.pool), (HEADER_RULE, d.rule), (HEADER_OBJECTIVE, d.objective)];
+        let n = if config.emit_objective_header { 4 } else { 3 };
+        for (name, value) in headers.iter().take(n) {
+            if self.replace_headers {
+                host.set_request_header(name, Some(value));
+            } else {
+                host.add_request_header(name, value);
+            }
+        }
+        // One clear for all the writes.
+        host.clear_route_cache();
+        count_decision(m, host, d);
+        Next::Continue
+    }
+}
+
+fn count_decision<H: Host>(m: &Metrics, host: &mut H, d: &Decision) {
+    host.count(m.decisions.get(d.rule_index).copied().flatten());
+    if let Some(f) = d.fallback {
+        host.count(m.fallbacks[f as usize]);
+    }
+}
+
+/// The body of a shed request, as the sidecars' own refusals look (OpenAI error JSON).
+pub fn shed_body(class: &str) -> String {
+    format!(
+        r#"{{"error":{{"message":"the mesh is shedding {class} requests while a pool is degraded","type":"rate_limit_error","param":null,"code":"mesh_shedding"}}}}"#
+    )
+}
+
+/// Answer a shed class at the edge: 429, Retry-After and an OpenAI error body.
+fn shed<H: Host>(dr: &DegradedRouting, host: &mut H, class: &str) {
+    let retry = dr.retry_after_s.to_string();
+    let headers = [("retry-after", retry.as_str()), ("content-type", "application/json"), ("x-infermesh-shed-by", "mesh")];
+    host.send_response(429, &headers, shed_body(class).as_bytes());
+}
+
+/// The state endpoint of a sidecar's serving port (sidecar/state_api.py), which the probe asks.
+pub const STATE_PATH: &str = "/infermesh/state";
+
+/// A probe's answer: its status (None: no response) and level header, into the table (or the
+/// error it counts as).
+pub fn probe_answer<P: PoolStates>(d: &DegradedRouting, pools: &P, status: Option<&str>, level: Option<&str>, now: u64) -> Result<(), StateError> {
+    match status {
+        None => Err(StateError::ProbeFailed),
+        Some("200") => match level {
+            // The reading is the pool the header names: a probe cluster with failover endpoints
+            // at priority 1 answers from the failover pool once the pool's own are all gone.
+            Some(v) => pools.report(d, v, now),
+            None => Err(StateError::BadHeader),
+        },
+        Some(_) => Err(StateError::ProbeStatus),
+    }
+}
+
+#[cfg(test)]
+mod tests;
