@@ -208,6 +208,8 @@ def _cmd_policy_render(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from infermesh.settings import XDS_PORT
+
     parser = argparse.ArgumentParser(prog="infermesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port, 127.0.0.1 only (default 9901)")
     up.add_argument("--run-dir", help="where logs and generated configs go (default: a new temp dir)")
     up.add_argument("--policy", help="mesh policy file (default: mesh-config/policies/local.yaml); edits apply live")
-    up.add_argument("--xds-port", type=int, default=18000, help="control plane (ADS) port, 127.0.0.1 (default 18000)")
+    up.add_argument("--xds-port", type=int, default=XDS_PORT, help=f"control plane (ADS) port, 127.0.0.1 (default {XDS_PORT})")
     up.add_argument("--cpus", metavar="POOL=CPUS", action="append", default=[],
                     help="run POOL's sidecar, its whole process tree (front, vLLM's engine core and workers), only on "
                          "CPUS (0, 1, 0-1, 0,2-3), as a GPU pool of its own; POOL.N for one replica; once per pool")

@@ -21,6 +21,8 @@ HTTP_PORT = 8000
 """A sidecar's OpenAI HTTP front, unless configured otherwise (the chart's `ports.http` default is held equal by a test)."""
 GRPC_PORT = 50051
 """A sidecar's gRPC front, unless configured otherwise (the chart's `ports.grpc` likewise)."""
+XDS_PORT = 18000
+"""The local control plane's ADS port (127.0.0.1), unless configured otherwise."""
 """Class, pool, rule and breaker names: they end up in header values and metric names."""
 
 

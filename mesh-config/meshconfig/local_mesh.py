@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infermesh.settings import XDS_PORT
+
 from .envoy_resources import MeshListener, PoolEndpoint, Replica, Routing
 from .policy import LOCAL_POLICY, Policy, load_policy
 
@@ -52,7 +54,7 @@ class LocalMeshPlan:
     """The loaded policy (default: loaded from `policy_path`)."""
     listen_port: int = 8080
     admin_port: int = 9901
-    xds_port: int = 18000
+    xds_port: int = XDS_PORT
     metrics_port: int = 18001
     """The control plane's counters (policy rejections, NACKs, rollbacks) on 127.0.0.1: /metrics."""
     host: str = "127.0.0.1"

@@ -33,6 +33,8 @@ from pathlib import Path
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
+from infermesh.settings import XDS_PORT
+
 from .ads_server import AdsServer
 from .envoy_resources import FILTER_STATS_TAGS, LAYERED_RUNTIME
 from .policy import Policy
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="infermesh-xds", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", required=True)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=18000)
+    ap.add_argument("--port", type=int, default=XDS_PORT)
     ap.add_argument("--listen-host", default="127.0.0.1")
     ap.add_argument("--listen-port", type=int, default=8080)
     ap.add_argument("--pool", action="append", default=[], help="NAME=HOST:HTTP_PORT[:GRPC_PORT] of a pool's sidecar (repeat)")
