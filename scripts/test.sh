@@ -10,7 +10,7 @@ scripts/setup-chart-tools.sh >/dev/null  # Helm and the Kubernetes/Istio schemas
 scripts/setup-istiod.sh >/dev/null  # istiod for e2e/test_istiod_e2e.py (built once; docs/kubernetes.md)
 
 echo "== filter: cargo test (native) ==" >&2
-# With the native dynamic module's glue (feature dynamic-module): its unit tests run beside the rest.
+# The flow's unit tests need no feature; `dynamic-module` also compiles (and tests) the native bindings.
 (cd filter && INFERMESH_FUZZ_SECS="${INFERMESH_FUZZ_SECS:-5}" cargo test --release --quiet --features dynamic-module 2>&1)
 
 echo "== pytest ==" >&2

@@ -949,7 +949,7 @@ FILTER_STATS_TAGS = [
     {"tag_name": "pool", "regex": _R + r"\.class\.[^.]+(\.pool\.([^.]+))"},
     {"tag_name": "rule", "regex": _R + r"\.class\.[^.]+\.pool\.[^.]+(\.rule\.([^.]+))$"},
     {"tag_name": "reason", "regex": _NS + r"body_fallbacks_total(\.reason\.([^.]+))$"},
-    # Degraded-mode routing (glue.rs): shed by class, pool-state readings and probes that could
+    # Degraded-mode routing (request_flow.rs): shed by class, pool-state readings and probes that could
     # not be used, by reason. (Spill is Envoy's: cluster.pool_P.health_check.*.)
     {"tag_name": "class", "regex": _NS + r"shed_requests_total(\.class\.([^.]+))$"},
     {"tag_name": "reason", "regex": _NS + r"pool_state_errors_total(\.reason\.([^.]+))$"},
