@@ -1,4 +1,6 @@
-"""Integration: degraded-mode routing in the data plane. The real Envoy (two workers) with the
+"""Integration: degraded-mode routing in the data plane, for both filter runtimes (the Wasm filter
+with its shared-data table, the native dynamic module with its process-wide table: each test runs
+against both). The real Envoy (two workers) with the
 compiled filter and the routes and clusters the control plane generates for the e2e policy
 (interactive spills to batch, by Envoy's health check of the state endpoint and priority
 failover, and the filter sheds batch at the edge while interactive is at level 3), in front of two
@@ -85,9 +87,21 @@ class _FakeHandler(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    yield from pool_state_mesh(tmp_path_factory.mktemp("pool-state"))
+def filter_stats(admin: str, runtime: str) -> dict[str, int]:
+    # Imported here: test_filter_envoy_integration imports test_edge_routes_integration, which imports this module.
+    from e2e.test_filter_envoy_integration import filter_stats as stats
+
+    return stats(admin, runtime)
+
+
+@pytest.fixture(scope="module", params=("wasm", "native"))
+def mesh(request, tmp_path_factory):
+    """(base URL, admin URL, sidecars, runtime) of pool_state_mesh with the filter in that runtime."""
+    module = request.getfixturevalue("native_module") if request.param == "native" else None
+    started = pool_state_mesh(tmp_path_factory.mktemp(f"pool-state-{request.param}"), native_module=module)
+    base, admin_url, sidecars = next(started)
+    yield base, admin_url, sidecars, request.param
+    next(started, None)  # stops Envoy and the fake sidecars
 
 
 def pool_state_mesh(work: Path, native_module: Path | None = None):
@@ -173,6 +187,12 @@ def metric(admin_url: str, name: str, **labels) -> float:
                if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
 
 
+def envoy_stat(admin: str, name: str) -> int:
+    """One of Envoy's own counters (the same in both runtimes), by its dotted name."""
+    text = urllib.request.urlopen(admin + "/stats?filter=^" + name.replace(".", r"\.") + "$", timeout=5).read().decode()
+    return int(text.partition(": ")[2] or 0)
+
+
 def back_to_normal(base: str, sidecars: dict) -> None:
     for s in sidecars.values():
         s.level, s.header, s.state = 0, "ok", "ok"
@@ -181,7 +201,7 @@ def back_to_normal(base: str, sidecars: dict) -> None:
 
 
 def test_normal_routing_and_the_level_header_never_reaches_the_client(mesh):
-    base, admin_url, sidecars = mesh
+    base, admin_url, sidecars, _ = mesh
     back_to_normal(base, sidecars)
     status, headers, got = chat(base)
     assert status == 200 and got["upstream"] == "interactive"
@@ -195,20 +215,23 @@ def test_normal_routing_and_the_level_header_never_reaches_the_client(mesh):
 
 
 def test_a_degraded_pool_under_traffic_spills_within_a_second_sheds_batch_and_recovers(mesh):
-    base, admin_url, sidecars = mesh
+    base, admin_url, sidecars, runtime = mesh
     back_to_normal(base, sidecars)
-    failed_checks = metric(admin_url, "envoy_cluster_health_check_failure", envoy_cluster_name="pool_interactive")
+    before = filter_stats(admin_url, runtime)
+    failed_checks = envoy_stat(admin_url, "cluster.pool_interactive.health_check.failure")
     sidecars["interactive"].level = 3
     t0 = time.monotonic()
     spill_s, (status, headers, got) = until("a chat spilled to batch", lambda: (r := chat(base))[2]["upstream"] == "batch" and r, 5)
-    print(f"[pool-state] plain Envoy, under traffic: first spilled chat {spill_s * 1000:.0f} ms after the sidecar reported level 3")
+    print(f"[pool-state {runtime}] under traffic: first spilled chat {spill_s * 1000:.0f} ms after the sidecar reported level 3")
     assert spill_s < 1.0
     # Bound for interactive (the route's headers), served by batch: Envoy's failover, because the
     # health check of the state endpoint failed.
     assert got["headers"]["x-infermesh-class"] == "interactive" and got["headers"]["x-infermesh-pool"] == "interactive"
-    assert metric(admin_url, "envoy_cluster_health_check_failure", envoy_cluster_name="pool_interactive") > failed_checks
-    # Another worker may still hold its normal view of the pool for up to 100 ms (docs/filter.md,
-    # "Shared across workers"): batch is shed at the edge within the same second, not at once.
+    assert envoy_stat(admin_url, "cluster.pool_interactive.health_check.failure") > failed_checks
+    # The chats' routes are native (interactive only spills): the filter learns the level from its
+    # probe (every 500 ms). Wasm: another worker may still hold its normal view of the pool for up
+    # to 100 ms (docs/filter.md, "Shared across workers"); native: one process-wide table. Either
+    # way batch is shed at the edge within the same second, not at once.
     until("batch shed at the edge", lambda: batch(base)[0] == 429, 5)
     shed_s = time.monotonic() - t0
     assert shed_s < 1.0, shed_s
@@ -221,15 +244,18 @@ def test_a_degraded_pool_under_traffic_spills_within_a_second_sheds_batch_and_re
     assert request(base, "POST", "/tokenize", {"prompt": "x"})[0] == 200
     for _ in range(20):  # steady: every chat spilled, every batch shed, no flapping
         assert chat(base)[2]["upstream"] == "batch" and batch(base)[0] == 429
-    assert metric(admin_url, "infermesh_shed_requests_total", **{"class": "batch"}) > 0
+    key = "infermesh.shed_requests_total.class.batch"
+    assert filter_stats(admin_url, runtime)[key] > before.get(key, 0)
+    if runtime == "wasm":  # the Wasm filter's counters also carry Prometheus tags (envoy_resources.FILTER_STATS_TAGS)
+        assert metric(admin_url, "infermesh_shed_requests_total", **{"class": "batch"}) > 0
     sidecars["interactive"].level = 0
     recover_s, _ = until("chats back on interactive", lambda: chat(base)[2]["upstream"] == "interactive", 10)
-    print(f"[pool-state] plain Envoy: back to normal {recover_s * 1000:.0f} ms after the sidecar reported level 0 (4 checks of 0.25 s)")
+    print(f"[pool-state {runtime}] back to normal {recover_s * 1000:.0f} ms after the sidecar reported level 0 (4 checks of 0.25 s)")
     assert batch(base)[0] == 200
 
 
 def test_an_idle_pool_is_learned_by_the_probe_within_two_seconds(mesh):
-    base, admin_url, sidecars = mesh
+    base, admin_url, sidecars, runtime = mesh
     back_to_normal(base, sidecars)
     time.sleep(1.0)  # no chat since: the interactive pool is idle, only the probe reads it
     probes = sidecars["interactive"].probes
@@ -239,7 +265,7 @@ def test_an_idle_pool_is_learned_by_the_probe_within_two_seconds(mesh):
     # The health check runs at the same interval with or without traffic (no_traffic_interval).
     until("the first chat after the idle spell spilled to batch", lambda: chat(base)[2]["upstream"] == "batch", 5)
     spill_s = time.monotonic() - t0
-    print(f"[pool-state] plain Envoy, idle pool: first shed request {shed_s * 1000:.0f} ms (probe), "
+    print(f"[pool-state {runtime}] idle pool: first shed request {shed_s * 1000:.0f} ms (probe), "
           f"chats spilled by {spill_s * 1000:.0f} ms (health check) after the sidecar reported level 3")
     assert shed_s < 2.0 and spill_s < 2.0 and sidecars["interactive"].probes > probes
     # Two workers, one probe an interval between them (500 ms): not one per worker.
@@ -286,9 +312,11 @@ def unreadable_state_leaves_routing_normal(base: str, sidecars: dict, fault: str
 
 @pytest.mark.parametrize("fault, reason", STATE_FAULTS)
 def test_a_sidecar_that_answers_garbage_or_a_state_endpoint_that_fails_leaves_routing_normal(mesh, fault, reason):
-    base, admin_url, sidecars = mesh
+    base, admin_url, sidecars, runtime = mesh
     unreadable_state_leaves_routing_normal(
-        base, sidecars, fault, reason, lambda r: metric(admin_url, "infermesh_pool_state_errors_total", reason=r))
+        base, sidecars, fault, reason, lambda r: filter_stats(admin_url, runtime).get(f"infermesh.pool_state_errors_total.reason.{r}", 0))
+    if runtime == "wasm":
+        assert metric(admin_url, "infermesh_pool_state_errors_total", reason=reason) > 0
 
 
 
@@ -296,7 +324,7 @@ def test_when_the_spill_pool_is_at_the_level_too_envoy_spreads_over_both(mesh):
     """Both pools' endpoints fail interactive's state check: Envoy's panic mode routes over all of
     them (both pools serve; 58/42 and 73/27 of 100 in two runs), so nothing is refused for want
     of a healthy pool (docs/filter.md, "Several replicas")."""
-    base, admin_url, sidecars = mesh
+    base, admin_url, sidecars, runtime = mesh
     back_to_normal(base, sidecars)
     sidecars["interactive"].level = sidecars["batch"].level = 3
     until("batch's endpoints out of interactive's cluster too", lambda: not any(
@@ -305,6 +333,6 @@ def test_when_the_spill_pool_is_at_the_level_too_envoy_spreads_over_both(mesh):
     got = [chat(base) for _ in range(100)]
     assert all(status == 200 for status, _, _ in got)
     served = {pool: sum(r[2]["upstream"] == pool for r in got) for pool in ("interactive", "batch")}
-    print(f"[pool-state] plain Envoy, both pools at the level: chats served {served}")
+    print(f"[pool-state {runtime}] both pools at the level: chats served {served}")
     assert min(served.values()) >= 5, served
     back_to_normal(base, sidecars)
