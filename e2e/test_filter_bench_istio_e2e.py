@@ -1,4 +1,4 @@
-"""e2e: the filter benchmark's Istio form runs: istiod (the harness of test_istiod_e2e.py) turns
+"""e2e: the filter benchmark's Istio form runs: istiod (the harness of infermesh/istiod_gateway.py, as in test_istiod_e2e.py) turns
 the chart's rendered resources into the gateway config, the benchmark replays it in the real
 Envoy with the compiled filter in front of its sink, and every request of the quick run is a 200.
 The numbers themselves are docs/filter-benchmark.md's (a quick run on a shared machine proves

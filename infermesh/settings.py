@@ -103,8 +103,9 @@ class ClassSettings(Strict):
     what its pool is measured to serve says the first token comes by then, and refuses one that
     waits for an engine slot as soon as it no longer can (429 with Retry-After, before vLLM sees
     it; docs/breakers.md, "Time-bounded admission"). On the HTTP front it is also the TTFT limit of a
-    stream that waited in line, when the mesh sets none, and of any stream while its pool refuses
-    requests for time: no first token by then, 503 `ttft_target_missed`. Default: 1000
+    stream that waited in line, when the mesh sets none (no first token by then: 503
+    `ttft_target_missed`), and a stream with no first token at 75 % of it is cut the same way
+    while its pool refuses requests for time. Default: 1000
     for a class that is not `sheddable`, 10000 for a sheddable one."""
 
     @property

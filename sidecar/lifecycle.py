@@ -35,8 +35,8 @@ The TTFT give-up, in all its forms, is here too (`gave_up` is the error of each)
   is answered at once; a stream that reached vLLM without a first token by then gets 503
   `ttft_target_missed` and is aborted there; a non-streamed one, once in vLLM, runs to its end
   (watching its first token would take vLLM's cumulative outputs, a cost on every step);
-- an HTTP stream that got a slot at once and has no first token at its class's target is cut
-  (503 `ttft_target_missed`) while its pool is pressed (`cut_if_pressed`, docs/breakers.md).
+- an HTTP stream that got a slot at once and has no first token at ADMIT_SHARE of its class's
+  target is cut (503 `ttft_target_missed`) while its pool is pressed (`cut_if_pressed`, docs/breakers.md).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
-from .admission import Admission, TargetUnreachable
+from .admission import ADMIT_SHARE, Admission, TargetUnreachable
 from .errors import DeadlineExceeded, EngineFailed, SidecarError
 from .requests import Completion, GenerationRequest, TokenDelta
 
@@ -177,6 +177,7 @@ class RequestLifecycle:
         self.refused = asyncio.Event()
         """Set when a held stream is refused while it waited: answered at once (first_in_time)."""
         self._target_limit = False  # the TTFT limit is the class's target (set at admission), not the mesh's
+        self._cut = False  # that limit was set by cut_if_pressed
         self._delta = False  # vLLM's layer streams this request (delta outputs)
         self._vllm_done = False  # vLLM has finished or dropped it: nothing to abort
         self._events: AsyncIterator[TokenDelta | Completion] | None = None
@@ -235,22 +236,26 @@ class RequestLifecycle:
         return self._admitted_at + (self.req.ttft_give_up_s or 0.0)
 
     def target_deadline(self) -> float | None:
-        """When its class's TTFT target ends, on the pool's clock (None: no target)."""
+        """When a stream without a first token may be cut (`cut_if_pressed`), on the pool's clock:
+        ADMIT_SHARE of its class's target after admission, the share it was admitted for (None: no target)."""
         adm = self.admit()
-        return self._admitted_at + adm.target_s if math.isfinite(adm.target_s) else None
+        return self._admitted_at + ADMIT_SHARE * adm.target_s if math.isfinite(adm.target_s) else None
 
     def cut_if_pressed(self) -> bool:
-        """A stream in vLLM without a first token at its class's target: held to the target (then
-        `gave_up`: 503 `ttft_target_missed`, aborted in vLLM) when its pool has refused a request
-        for time since this one was admitted, or has one in line: the compute it holds is wanted
-        by requests that can still be on time. Otherwise it is served however late vLLM is."""
+        """A stream in vLLM without a first token at ADMIT_SHARE of its class's target (admitted on
+        an estimate within that share, it has fallen behind it): cut (then `gave_up`: 503
+        `ttft_target_missed`, aborted in vLLM) when its pool has refused a request for time since
+        this one was admitted, or has one in line: the compute it holds is wanted by requests that
+        can still be on time, and its refusal comes before the target, as a waiter's does.
+        Otherwise it is served however late vLLM is."""
         adm = self.admission
         if adm is None or self._first_token_at is not None or not self._submitted or self.req.ttft_give_up_s is not None:
             return False
         if not self.pool.admission.pressed_since(self._admitted_at):
             return False
-        self.req.ttft_give_up_s = adm.target_s
+        self.req.ttft_give_up_s = ADMIT_SHARE * adm.target_s
         self._target_limit = True
+        self._cut = True
         return True
 
     def gave_up(self) -> DeadlineExceeded:
@@ -269,8 +274,10 @@ class RequestLifecycle:
             self.pool.window.record_ttft(now - self._admitted_at)
             w = self.admission.waiter
             self.pool.admission.slots[self.admission.engine.config.name].missed_first_token(now - self._submitted_at, self.admission.target_s, w and w.started_at, w.ahead if w else 0)
-            return TargetMissed(f"no first token within the {self.admission.request_class} class's {limit_ms:.0f} ms target",
-                                code="ttft_target_missed", retry_after_s=1)
+            cls, target_ms = self.admission.request_class, self.admission.target_s * 1000
+            why = (f"no first token within {ADMIT_SHARE:.0%} of the {cls} class's {target_ms:.0f} ms target, while the pool refuses "
+                   f"requests for time" if self._cut else f"no first token within the {cls} class's {limit_ms:.0f} ms target")
+            return TargetMissed(why, code="ttft_target_missed", retry_after_s=1)
         return DeadlineExceeded(f"no first token within {limit_ms:.0f} ms", code="ttft_deadline_exceeded", retry_after_s=1)
 
     async def _slot(self) -> None:

@@ -428,17 +428,18 @@ def _late_stream(make_vllm_pool, pressed: bool):
     return pool, llm, slots, late, other
 
 
-def test_a_stream_late_in_vllm_is_cut_at_its_target_while_the_pool_refuses_for_time(make_vllm_pool):
+def test_a_stream_late_in_vllm_is_cut_at_its_admitted_share_while_the_pool_refuses_for_time(make_vllm_pool):
     pool, llm, slots, sent, other = _late_stream(make_vllm_pool, pressed=True)
     assert _refusal(other)[1] == 429, "the second chat was refused for time: the pool is pressed"
     t, status, headers, err = _refusal(sent)
     assert status == 503 and int(headers["retry-after"]) >= 1
     assert err["code"] == "ttft_target_missed"
-    assert 0.3 <= t < 1.0, "answered at its 300 ms target, not at its first token"
+    assert 0.225 <= t < 1.0, "answered at 75 % of its 300 ms target (ADMIT_SHARE), not at its first token"
+    assert "75% of the interactive class's 300 ms target" in err["message"]
     assert len(llm.aborted) == 1, "aborted in vLLM"
     assert slots.busy == 0 and pool.inflight == 0
     assert slots.first_token_s is not None, "nothing was measured before: vLLM's time with it is now a bound on the estimate"
-    assert [round(t, 1) for _, t in pool.window.ttfts] == [0.3], "the latency breaker's window sees it"
+    assert [round(t, 2) for _, t in pool.window.ttfts][0] >= 0.22, "the latency breaker's window sees it"
 
 
 def test_a_stream_late_in_vllm_is_served_however_late_while_nothing_is_refused(make_vllm_pool):
