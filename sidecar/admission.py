@@ -68,6 +68,11 @@ spread around them must fit in the rest (the clean-clone run with the whole targ
 1.05 s against a 1 s target)."""
 
 
+def ewma(average: float | None, sample: float) -> float:
+    """The running average with a new sample (the first sample starts it)."""
+    return sample if average is None else average + EWMA_WEIGHT * (sample - average)
+
+
 class TargetUnreachable(Overloaded):
     """Refused by time-bounded admission: the first token could not come within the class's target."""
 
@@ -141,11 +146,11 @@ class EngineSlots:
     # -- measurements ---------------------------------------------------------------------------
 
     def measured_hold(self, seconds: float) -> None:
-        self.hold_s = seconds if self.hold_s is None else self.hold_s + EWMA_WEIGHT * (seconds - self.hold_s)
+        self.hold_s = ewma(self.hold_s, seconds)
 
     def measured_first_token(self, seconds: float, target_s: float = math.inf, started_at: float | None = None) -> None:
         """vLLM's time to a request's first token (from its start there), and the cap's step."""
-        self.first_token_s = seconds if self.first_token_s is None else self.first_token_s + EWMA_WEIGHT * (seconds - self.first_token_s)
+        self.first_token_s = ewma(self.first_token_s, seconds)
         if seconds <= target_s / 2:
             self.limit = min(float(self.slots), self.limit + 1.0)
             self._start_next()
@@ -158,7 +163,7 @@ class EngineSlots:
         if w is not None and w.prefilling:
             self._prefilled(w)
             share = seconds / (w.ahead + 1)
-            self.prefill_s = share if self.prefill_s is None else self.prefill_s + EWMA_WEIGHT * (share - self.prefill_s)
+            self.prefill_s = ewma(self.prefill_s, share)
         self.measured_first_token(seconds, target_s, w and w.started_at)
 
     def _prefilled(self, w: Waiter) -> None:
@@ -172,10 +177,10 @@ class EngineSlots:
         it only raises the estimates), and when vLLM had it for half its target or more the cap
         shrinks as for a late one."""
         if self.first_token_s is None or seconds > self.first_token_s:
-            self.first_token_s = seconds if self.first_token_s is None else self.first_token_s + EWMA_WEIGHT * (seconds - self.first_token_s)
+            self.first_token_s = ewma(self.first_token_s, seconds)
         share = seconds / (ahead + 1)
         if self.prefill_s is None or share > self.prefill_s:
-            self.prefill_s = share if self.prefill_s is None else self.prefill_s + EWMA_WEIGHT * (share - self.prefill_s)
+            self.prefill_s = ewma(self.prefill_s, share)
         if seconds >= target_s / 2 and (started_at is None or started_at > self._cut_at):
             self.limit = max(1.0, self.limit * 0.75)
             self._cut_at = self.clock()
