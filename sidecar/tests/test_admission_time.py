@@ -232,6 +232,20 @@ def test_the_cap_grows_with_first_tokens_in_time_and_shrinks_once_a_round_when_l
 
 # -- through the HTTP front on vLLM's serving layer (fake engine, conftest.py) -------------------
 
+def _one_slot_app(make_vllm_pool, classes: dict, **config):
+    """The HTTP front of a pool whose one model (m-large) has one engine slot, on vLLM's serving
+    layer over a fake engine whose first tokens wait on the returned event. Returns (pool, the
+    fake engine, the event, the app, the model's slots)."""
+    from infermesh.sidecar.config import SidecarConfig
+    from infermesh.sidecar.http_api import build_app
+    from sidecar.tests.test_headers_at_first_token import _hold_first_token
+
+    pool = make_vllm_pool(SidecarConfig.model_validate({
+        "pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "max_num_seqs": 1}], "classes": classes} | config))
+    opened = _hold_first_token(pool.primary.engine)
+    return pool, pool.primary.engine, opened, build_app(pool), pool.admission.slots["m-large"]
+
+
 HOLD_S = 5.0
 """The holder's first token comes once the chat behind it has its answer, or after this (a chat
 wrongly left waiting for the slot is then served: a 200 the tests refuse, not a hang)."""
@@ -245,18 +259,10 @@ def _waits_behind_a_holder(make_vllm_pool, target_ms: int, measure, stream: bool
     the interactive chat's ASGI messages with their times)."""
     import json
 
-    from infermesh.sidecar.config import SidecarConfig
-    from infermesh.sidecar.http_api import build_app
-    from sidecar.tests.test_headers_at_first_token import _asgi, _hold_first_token
+    from sidecar.tests.test_headers_at_first_token import _asgi
 
-    cfg = SidecarConfig.model_validate({
-        "pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "max_num_seqs": 1}],
-        "classes": {"interactive": {"priority": 0, "ttft_target_ms": target_ms}, "batch": {"priority": 10, "sheddable": True}}})
-    pool = make_vllm_pool(cfg)
-    llm = pool.primary.engine
-    opened = _hold_first_token(llm)
-    app = build_app(pool)
-    slots = pool.admission.slots["m-large"]
+    pool, llm, opened, app, slots = _one_slot_app(
+        make_vllm_pool, {"interactive": {"priority": 0, "ttft_target_ms": target_ms}, "batch": {"priority": 10, "sheddable": True}})
     chat = {"messages": [{"role": "user", "content": "hi"}]}
 
     async def run():
@@ -397,18 +403,10 @@ def _late_stream(make_vllm_pool, pressed: bool):
     stream's ASGI messages, the second chat's)."""
     import json
 
-    from infermesh.sidecar.config import SidecarConfig
-    from infermesh.sidecar.http_api import build_app
-    from sidecar.tests.test_headers_at_first_token import _asgi, _hold_first_token
+    from sidecar.tests.test_headers_at_first_token import _asgi
 
-    cfg = SidecarConfig.model_validate({
-        "pool": "interactive", "models": [{"name": "m-large", "path": "/nonexistent", "max_num_seqs": 1}],
-        "classes": {"interactive": {"priority": 0, "ttft_target_ms": 300}}, "default_class": "interactive"})
-    pool = make_vllm_pool(cfg)
-    llm = pool.primary.engine
-    opened = _hold_first_token(llm)
-    app = build_app(pool)
-    slots = pool.admission.slots["m-large"]
+    pool, llm, opened, app, slots = _one_slot_app(make_vllm_pool, {"interactive": {"priority": 0, "ttft_target_ms": 300}},
+                                                  default_class="interactive")
     chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
     interactive = [(b"x-infermesh-class", b"interactive")]
 
