@@ -108,8 +108,9 @@ def short(module: str) -> str:
     return module.removeprefix("infermesh.")
 
 
-def imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The modules of `known` that `path` imports, anywhere in it (function-level imports too)."""
+def imported_names(module: str, path: Path) -> set[str]:
+    """Every name `path` (module `module`) imports, anywhere in it (function-level imports too), as
+    absolute names: `from x import y` gives both `x` and `x.y` (y may be a module or a name)."""
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -123,6 +124,12 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
             else:
                 name = node.module or ""
             names |= {name} | {f"{name}.{a.name}" for a in node.names}
+    return names
+
+
+def imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules of `known` that `path` imports, anywhere in it (function-level imports too)."""
+    names = imported_names(module, path)
     found = set()
     for name in names:
         if name.startswith("infermesh.sidecar.proto"):

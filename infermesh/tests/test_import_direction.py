@@ -16,12 +16,15 @@ infermesh.meshconfig), which is how the old cycle hid; these checks read the imp
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("gen_architecture", REPO / "scripts" / "gen_architecture.py")
+_gen = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_gen)
 PACKAGES = {"infermesh.meshconfig": REPO / "mesh-config" / "meshconfig", "infermesh.sidecar": REPO / "sidecar",
             "infermesh": REPO / "infermesh"}
 SIDECAR_MAY_IMPORT = {"infermesh.meshconfig.policy"}
@@ -41,22 +44,8 @@ def module_files(package: str) -> dict[str, Path]:
 
 
 def imports(module: str, path: Path) -> set[str]:
-    """Every module `path` imports, anywhere in it, as absolute names."""
-    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
-            out.add(name)
-            out |= {f"{name}.{a.name}" for a in node.names}
-    return out
+    """Every module `path` imports, anywhere in it, as absolute names (the architecture page's reader)."""
+    return _gen.imported_names(module, path)
 
 
 def within(names: set[str], package: str) -> set[str]:
