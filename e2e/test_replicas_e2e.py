@@ -137,18 +137,26 @@ def test_a_loaded_replica_gets_fewer_new_requests_from_its_own_reports(mesh):
                     return
 
     loaders = [threading.Thread(target=long_stream, daemon=True) for _ in range(12)]
-    for t in loaders:
-        t.start()
     try:
-        time.sleep(2)
+        # One at a time, each once the one before has its headers (its first token): the sidecar
+        # hands vLLM a measured number of requests at once, grown by first tokens in time
+        # (sidecar/admission.py), and refuses a burst it has nothing measured to wait by.
+        for t in loaders:
+            n = len(statuses)
+            t.start()
+            started = time.monotonic()
+            while len(statuses) == n and time.monotonic() - started < 30:
+                time.sleep(0.02)
         assert statuses == [200] * len(loaders), statuses  # the load is real
         # Envoy learns the load only from the responses it routes (the loaders go to the sidecar
         # directly) and counts a report after its blackout period: chats until its weights show it.
         loaded, other = (mesh.plan.replica("interactive", i).http_port for i in (0, 1))
         deadline = time.monotonic() + 15
+        tried = []
         while not (w := host_stat(mesh, "weight")).get(loaded, 0) < w.get(other, 0):
-            assert time.monotonic() < deadline, f"Envoy never weighed the loaded replica down: {w}"
-            chat(mesh.base_url, max_tokens=4)
+            assert time.monotonic() < deadline, f"Envoy never weighed the loaded replica down: {w}; chats (status, served by): {tried}"
+            r = chat(mesh.base_url, max_tokens=4)
+            tried.append((r["status"], r["served_by"]))
         served = [chat(mesh.base_url, max_tokens=4)["served_by"] for _ in range(30)]
         weights = host_stat(mesh, "weight")
     finally:

@@ -89,8 +89,11 @@ async def window(base: str, opt: Options) -> dict:
 
 
 async def loaded(replica_url: str, n: int, stop: asyncio.Event) -> None:
-    """Keep `n` long streams on one replica until `stop` (restarting any that end)."""
-    async def stream():
+    """Keep `n` long streams on one replica until `stop` (restarting any that end). They start one
+    at a time, each once the one before has its headers (its first token): the sidecar hands vLLM
+    a measured number of requests at once, grown by first tokens in time, and refuses a burst it
+    has nothing measured to wait by (sidecar/admission.py)."""
+    async def stream(started: asyncio.Event):
         # 200 prompt tokens + 700: inside max_model_len (1024), far beyond the KV cache's share.
         body = {"model": "tiny-llama", "prompt": "x " * 100, "max_tokens": 700, "stream": True, "ignore_eos": True}
         async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
@@ -99,12 +102,22 @@ async def loaded(replica_url: str, n: int, stop: asyncio.Event) -> None:
                     async with client.stream("POST", replica_url + "/v1/completions", json=body) as r:
                         if r.status_code != 200:  # no load at all: the scenario would be void
                             raise RuntimeError(f"a long stream was refused: {r.status_code} {(await r.aread())[:200]!r}")
+                        started.set()
                         async for _ in r.aiter_lines():
                             if stop.is_set():
                                 return
                 except httpx.HTTPError:
                     await asyncio.sleep(0.2)
-    await asyncio.gather(*(stream() for _ in range(n)))
+    tasks = []
+    for _ in range(n):
+        started = asyncio.Event()
+        tasks.append(asyncio.create_task(stream(started)))
+        ready = asyncio.create_task(started.wait())
+        await asyncio.wait({ready, tasks[-1]}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if tasks[-1].done():
+            break  # it raised: gather says why
+    await asyncio.gather(*tasks)
 
 
 def summarize(windows: dict[str, list[dict]]) -> dict:

@@ -52,7 +52,7 @@ from .lifecycle import Front, Outcome, RequestLifecycle, cancel, refuse
 from .metrics import process_metrics
 from .pool import Pool
 from .requests import TTFT_GIVE_UP_HEADER, GenerationRequest, decimal, json_body, ttft_give_up_s
-from .response_headers import identity_headers
+from .response_headers import identity_headers, load_report_header
 from . import state_api
 from .vllm_engine_client import ADMITTED, ATTEMPT, Attempt
 from .vllm_serving import PoolServing
@@ -418,8 +418,8 @@ class HttpFront:
             life.admit()
         except UnknownModel as e:
             return _VllmErrors.not_found(e)
-        except SidecarError as e:
-            return _error_response(e)
+        except SidecarError as e:  # a refusal for load is when Envoy's weights most need this replica's report
+            return _error_response(e, load_report_header(pool))
         return _Exchange(life, functools.partial(self.answer, request, api, req, life))
 
     async def answer(self, request: Request, api: Api, req: Any, life: RequestLifecycle) -> tuple[Reply, Outcome | None]:

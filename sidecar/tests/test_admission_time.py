@@ -297,6 +297,17 @@ def test_http_stream_refused_while_waiting_gets_429_retry_after_and_never_reache
     assert len(llm.requests) == 1, "only the holder reached vLLM"
     assert slots.waiting == [] and slots.busy == 0 and pool.inflight == 0
     assert 0.225 <= t < 1.0, "answered at 75 % of its 300 ms target (ADMIT_SHARE), not when the slot freed"
+    assert headers["endpoint-load-metrics"].startswith("TEXT rps_fractional="), "Envoy's weights learn the load from it"
+
+
+def test_http_refused_on_arrival_carries_the_load_report(make_vllm_pool):
+    # Measured: the slot frees in 5 s, far past 75 % of 300 ms: refused before it waits at all.
+    pool, llm, slots, sent = _waits_behind_a_holder(make_vllm_pool, 300, lambda s: s.measured_hold(5.0), stream=True)
+    t, status, headers, err = _refusal(sent)
+    assert status == 429 and err["code"] == "ttft_target_unreachable" and slots.refused_waiting == 0
+    # A refusal for load is the answer that most needs to reach Envoy's weighted round robin.
+    assert headers["endpoint-load-metrics"].startswith("TEXT rps_fractional="), headers
+    assert "application_utilization=1.0000" in headers["endpoint-load-metrics"], "its one slot is held"
 
 
 def _measured_then_late(slots) -> None:
