@@ -1,10 +1,11 @@
 //! Native cost of the pure decision logic (no Envoy, no Wasm): classification on headers and
 //! JSON body scanning for 2, 32 and 200 KB chat bodies, the hand-written scanner beside the
-//! serde_json one it replaced (tests/common/serde_scanner.rs). Run with
+//! serde_json one it replaced (tests/common/serde_scanner.rs), and the walk with the prefix key. Run with
 //! `cargo run --release --example classify_bench`. It explains how much of the filter's cost in
 //! Envoy is its own logic and how much is proxy-wasm host calls (filter/bench/run_bench.py).
 
-use infermesh_filter::body::parse_body;
+use infermesh_filter::body::{parse_body, parse_body_keyed};
+use infermesh_filter::prefix_key::PrefixSpec;
 use infermesh_filter::classify::{classify, Body, RequestView};
 use infermesh_filter::config::FilterConfig;
 use std::hint::black_box;
@@ -78,6 +79,12 @@ fn main() {
             black_box(serde_scanner::parse_body(black_box(&b)).ok());
         });
         println!("{:32} {:10.2}x faster", "", old / new);
+        // The prefix key (docs/prefix-routing.md) in the same pass: its cost is the difference.
+        let spec = PrefixSpec { max_keys: 4, chunk_bytes: 1024 };
+        let keyed = time(&format!("parse_body_keyed {kb} KB"), || {
+            black_box(parse_body_keyed(black_box(&b), spec).ok());
+        });
+        println!("{:32} {:10.2} us/op for the prefix key", "", keyed - new);
         let facts = parse_body(&b).unwrap();
         time(&format!("classify with {kb} KB body facts"), || {
             black_box(classify(&cfg, &req, Body::Parsed(black_box(&facts))));

@@ -10,6 +10,7 @@
 //! from serde_json's limit of 128 (whose behaviour the scanner keeps).
 
 use crate::json_scan::{Bad, Res, Scanner, Str, Tok};
+use crate::prefix_key::{PrefixKeys, PrefixSpec, PrefixWalk};
 
 /// Longest `model` / `priority` / `service_tier` value kept; longer values are cut (at a char
 /// boundary) — no rule needs more, and it bounds what one request can make the filter hold.
@@ -42,13 +43,31 @@ impl BodyFacts {
 
 /// Parse a body. `Err` means it is not a JSON object (garbage, truncated, bad escapes, …).
 pub fn parse_body(bytes: &[u8]) -> Result<BodyFacts, String> {
-    Scanner::new(bytes).body().map_err(|Bad(why, at)| format!("{why} at byte {at}"))
+    Scanner::new(bytes).body(None).map_err(|Bad(why, at)| format!("{why} at byte {at}"))
+}
+
+/// `parse_body`, and the request's prefix keys in the same pass (prefix_key.rs): the same facts,
+/// the keys `None` where the body has no usable prefix.
+pub fn parse_body_keyed(bytes: &[u8], spec: PrefixSpec) -> Result<(BodyFacts, Option<PrefixKeys>), String> {
+    keyed(Scanner::new(bytes), spec)
+}
+
+/// `parse_body_keyed` on a body in segments.
+pub fn parse_body_segments_keyed(parts: &[&[u8]], spec: PrefixSpec) -> Result<(BodyFacts, Option<PrefixKeys>), String> {
+    keyed(Scanner::segments(parts), spec)
+}
+
+fn keyed(mut scanner: Scanner<'_>, spec: PrefixSpec) -> Result<(BodyFacts, Option<PrefixKeys>), String> {
+    let mut walk = PrefixWalk::new(spec);
+    let facts = scanner.body(Some(&mut walk)).map_err(|Bad(why, at)| format!("{why} at byte {at}"))?;
+    let keys = walk.keys();
+    Ok((facts, (!keys.chain().is_empty() || keys.learn.is_some()).then_some(keys)))
 }
 
 /// Parse a body held in segments (a native host's buffers, in order), where they are: the same
 /// result as `parse_body` on the segments joined.
 pub fn parse_body_segments(parts: &[&[u8]]) -> Result<BodyFacts, String> {
-    Scanner::segments(parts).body().map_err(|Bad(why, at)| format!("{why} at byte {at}"))
+    Scanner::segments(parts).body(None).map_err(|Bad(why, at)| format!("{why} at byte {at}"))
 }
 
 /// The field walk, on json_scan's tokens.
@@ -67,7 +86,8 @@ impl Scanner<'_> {
     }
 
     /// The whole body: one object, then only whitespace.
-    fn body(&mut self) -> Res<BodyFacts> {
+    /// `key`: the prefix walk, fed the roles and texts of `messages` and the `prompt` string.
+    fn body(&mut self, mut key: Option<&mut PrefixWalk>) -> Res<BodyFacts> {
         if self.peek() != Some(b'{') {
             return self.bad("not a JSON object");
         }
@@ -86,8 +106,18 @@ impl Scanner<'_> {
                 b"model" => facts.model = self.kept_scalar(false)?,
                 b"priority" => facts.priority = self.kept_scalar(true)?,
                 b"service_tier" => facts.service_tier = self.kept_scalar(false)?,
-                b"messages" => (facts.message_count, message_chars) = self.messages()?,
-                b"prompt" => prompt_chars = self.text(0)?,
+                b"messages" => {
+                    if let Some(k) = key.as_deref_mut() {
+                        k.restart(false);
+                    }
+                    (facts.message_count, message_chars) = self.messages(key.as_deref_mut())?
+                }
+                b"prompt" => {
+                    if let Some(k) = key.as_deref_mut() {
+                        k.restart(true);
+                    }
+                    prompt_chars = self.text(0, key.as_deref_mut(), true)?
+                }
                 _ => self.skip_value()?,
             }
         }
@@ -118,7 +148,7 @@ impl Scanner<'_> {
     }
 
     /// `messages`: (count, characters of text content). Non-array values count as no messages.
-    fn messages(&mut self) -> Res<(u64, u64)> {
+    fn messages(&mut self, mut key: Option<&mut PrefixWalk>) -> Res<(u64, u64)> {
         let t = self.any()?;
         if !matches!(t, Tok::Array) {
             self.skip_composite(&t)?;
@@ -127,14 +157,17 @@ impl Scanner<'_> {
         self.i += 1;
         let (mut count, mut chars, mut first) = (0u64, 0u64, true);
         while self.element(&mut first)? {
-            chars = chars.saturating_add(self.message()?);
+            chars = chars.saturating_add(self.message(key.as_deref_mut())?);
             count += 1;
+            if let Some(k) = key.as_deref_mut() {
+                k.end_message();
+            }
         }
         Ok((count, chars))
     }
 
     /// One message: the characters of its `content` (the last one, if repeated).
-    fn message(&mut self) -> Res<u64> {
+    fn message(&mut self, mut key: Option<&mut PrefixWalk>) -> Res<u64> {
         let t = self.any()?;
         if !matches!(t, Tok::Object) {
             self.skip_composite(&t)?;
@@ -144,7 +177,16 @@ impl Scanner<'_> {
         let (mut chars, mut first) = (0u64, true);
         while let Some(k) = self.key(&mut first)? {
             if self.key_is(&k, b"content")? {
-                chars = self.text(0)?;
+                chars = self.text(0, key.as_deref_mut(), false)?;
+            } else if key.is_some() && self.key_is(&k, b"role")? {
+                // Skipped as without a key (its grammar checked, not its UTF-8): the key must
+                // not change which bodies are refused. Its raw bytes are hashed.
+                let string = self.peek() == Some(b'"');
+                let start = self.pos();
+                self.skip_value()?;
+                if let (true, Some(w)) = (string, key.as_deref_mut()) {
+                    w.role(&self.span(start + 1, self.pos().saturating_sub(1).max(start + 1)));
+                }
             } else {
                 self.skip_value()?;
             }
@@ -154,17 +196,25 @@ impl Scanner<'_> {
 
     /// Characters of text in a value: a string, or (at depth 0) an array of strings / text
     /// parts (`{"type": "text", "text": "..."}`); token-id arrays count one per token. Other
-    /// shapes: 0. Recursion: depth 0 → 1 only.
-    fn text(&mut self, depth: u8) -> Res<u64> {
+    /// shapes: 0. Recursion: depth 0 → 1 only. `key` gets the text (`prompt`: a completion's
+    /// prompt, keyed only as one string).
+    fn text(&mut self, depth: u8, mut key: Option<&mut PrefixWalk>, prompt: bool) -> Res<u64> {
         Ok(match self.any()? {
-            Tok::Str(s) => s.chars,
+            Tok::Str(s) => {
+                match key {
+                    Some(k) if prompt && depth == 0 => k.prompt(&self.span(s.start, s.end)),
+                    Some(k) if !prompt => k.text(&self.span(s.start, s.end)),
+                    _ => {}
+                }
+                s.chars
+            }
             Tok::Int(_) | Tok::Neg(_) => u64::from(depth > 0),
             Tok::Float | Tok::Bool(_) | Tok::Null => 0,
             Tok::Array if depth == 0 => {
                 self.i += 1;
                 let (mut total, mut first) = (0u64, true);
                 while self.element(&mut first)? {
-                    total = total.saturating_add(self.text(1)?);
+                    total = total.saturating_add(self.text(1, key.as_deref_mut(), prompt)?);
                 }
                 total
             }
@@ -180,7 +230,14 @@ impl Scanner<'_> {
                     if self.key_is(&k, b"text")? {
                         let t = self.any()?;
                         self.skip_composite(&t)?;
-                        total = if let Tok::Str(s) = t { s.chars } else { 0 };
+                        total = if let Tok::Str(s) = t {
+                            if let Some(k) = key.as_deref_mut().filter(|_| !prompt) {
+                                k.text(&self.span(s.start, s.end));
+                            }
+                            s.chars
+                        } else {
+                            0
+                        };
                     } else {
                         self.skip_value()?;
                     }

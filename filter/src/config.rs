@@ -60,9 +60,23 @@ pub const AT_LEVEL: Limit = Limit {
     max: crate::pool_state::LEVEL_DOWN as u64,
     default: crate::pool_state::LEVEL_DOWN as u64,
 };
+/// A class's prefix key (prefix_key.rs, docs/prefix-routing.md): keys in the chain, and a
+/// completion prompt's chunk (64 B to 64 KiB of its JSON string; 1 KiB is about 250 tokens).
+pub const PREFIX_MAX_KEYS: Limit =
+    Limit { field: "classes.*.prefix_key.max_keys", min: 1, max: crate::prefix_key::MAX_KEYS as u64, default: 4 };
+pub const PREFIX_CHUNK_BYTES: Limit = Limit { field: "classes.*.prefix_key.chunk_bytes", min: 64, max: 65536, default: 1024 };
 /// Every bounded integer field the parser checks.
-pub const LIMITS: [Limit; 7] =
-    [BODY_MAX_BYTES, PROBE_INTERVAL_MS, PROBE_TIMEOUT_MS, STALE_AFTER_MS, RECOVER_HOLD_MS, RETRY_AFTER_S, AT_LEVEL];
+pub const LIMITS: [Limit; 9] = [
+    BODY_MAX_BYTES,
+    PROBE_INTERVAL_MS,
+    PROBE_TIMEOUT_MS,
+    STALE_AFTER_MS,
+    RECOVER_HOLD_MS,
+    RETRY_AFTER_S,
+    AT_LEVEL,
+    PREFIX_MAX_KEYS,
+    PREFIX_CHUNK_BYTES,
+];
 
 pub const DEFAULT_PROBE_INTERVAL_MS: u64 = PROBE_INTERVAL_MS.default;
 pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = PROBE_TIMEOUT_MS.default;
@@ -155,6 +169,26 @@ struct RawClass {
     pool: String,
     #[serde(default)]
     objective: Option<String>,
+    /// Present: the filter writes this class's prefix key (prefix_key.rs).
+    #[serde(default)]
+    prefix_key: Option<RawPrefixKey>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPrefixKey {
+    #[serde(default = "default_prefix_max_keys")]
+    max_keys: u64,
+    #[serde(default = "default_prefix_chunk_bytes")]
+    chunk_bytes: u64,
+}
+
+fn default_prefix_max_keys() -> u64 {
+    PREFIX_MAX_KEYS.default
+}
+
+fn default_prefix_chunk_bytes() -> u64 {
+    PREFIX_CHUNK_BYTES.default
 }
 
 #[derive(Debug, Deserialize)]
@@ -388,6 +422,8 @@ pub struct FilterConfig {
     pub emit_objective_header: bool,
     /// `when_degraded`, applied by the filter itself; `None`: no pool has it.
     pub degraded: Option<DegradedRouting>,
+    /// The classes whose requests get a prefix key, with its form (docs/prefix-routing.md).
+    pub prefix: BTreeMap<String, crate::prefix_key::PrefixSpec>,
 }
 
 /// One pool's `when_degraded` as the filter applies it (shedding; spill is Envoy's health-check
@@ -502,6 +538,7 @@ impl FilterConfig {
             return Err(err("classes", "at least one class is required"));
         }
         let mut classes = BTreeMap::new();
+        let mut prefix = BTreeMap::new();
         for (name, class) in &raw.classes {
             check_token(&format!("classes.{name}"), name)?;
             check_token(&format!("classes.{name}.pool"), &class.pool)?;
@@ -510,6 +547,21 @@ impl FilterConfig {
                 check_token(&format!("classes.{name}.objective"), o)?;
             }
             classes.insert(name.clone(), (class.pool.clone(), objective));
+            if let Some(p) = &class.prefix_key {
+                let bounded = |l: Limit, v: u64| -> Result<usize, ConfigError> {
+                    let field = format!("classes.{name}.prefix_key.{}", l.field.rsplit('.').next().unwrap_or(""));
+                    if (l.min..=l.max).contains(&v) {
+                        Ok(v as usize)
+                    } else {
+                        Err(err(field, format!("must be between {} and {}", l.min, l.max)))
+                    }
+                };
+                let spec = crate::prefix_key::PrefixSpec {
+                    max_keys: bounded(PREFIX_MAX_KEYS, p.max_keys)?,
+                    chunk_bytes: bounded(PREFIX_CHUNK_BYTES, p.chunk_bytes)?,
+                };
+                prefix.insert(name.clone(), spec);
+            }
         }
         let lookup = |field: &str, class: &str| -> Result<(String, String), ConfigError> {
             classes.get(class).cloned().ok_or_else(|| err(field, format!("unknown class `{class}`")))
@@ -618,6 +670,7 @@ impl FilterConfig {
             trusted,
             emit_objective_header: raw.emit_objective_header,
             degraded,
+            prefix,
         })
     }
 
@@ -803,10 +856,11 @@ fn check_token(field: &str, value: &str) -> Result<(), ConfigError> {
 /// them into a config that leaves everything optional out.
 pub fn limits() -> serde_json::Value {
     use serde_json::json;
-    let minimal = r#"{"version": 1, "default_class": "c", "classes": {"c": {"pool": "p"}}, "degraded_routing": {"pools": {"p": {}}}}"#;
+    let minimal = r#"{"version": 1, "default_class": "c", "classes": {"c": {"pool": "p", "prefix_key": {}}}, "degraded_routing": {"pools": {"p": {}}}}"#;
     let c = FilterConfig::parse(minimal.as_bytes()).expect("the minimal config parses");
     let d = c.degraded.as_ref().expect("it has degraded routing");
     let pool = &d.pools["p"];
+    let prefix = &c.prefix["c"];
     let bounded: serde_json::Map<String, serde_json::Value> =
         LIMITS.iter().map(|l| (l.field.to_string(), json!({"min": l.min, "max": l.max, "default": l.default}))).collect();
     json!({
@@ -824,6 +878,8 @@ pub fn limits() -> serde_json::Value {
             "degraded_routing.retry_after_s": d.retry_after_s,
             "degraded_routing.pools.*.at_level": pool.rule.at_level,
             "degraded_routing.pools.*.shed_classes": pool.shed_classes.len(),
+            "classes.*.prefix_key.max_keys": prefix.max_keys,
+            "classes.*.prefix_key.chunk_bytes": prefix.chunk_bytes,
         },
         "level_down": crate::pool_state::LEVEL_DOWN,
         "token_max_len": TOKEN_MAX_LEN,
@@ -977,6 +1033,7 @@ mod tests {
             let parent = match at {
                 "body" => &mut doc["body"],
                 "degraded_routing" => &mut doc["degraded_routing"],
+                "classes.*.prefix_key" => &mut doc["classes"]["interactive"]["prefix_key"],
                 _ => &mut doc["degraded_routing"]["pools"]["gpu-a"],
             };
             parent[key] = serde_json::json!(v);
@@ -992,7 +1049,8 @@ mod tests {
             }
             for v in past {
                 let e = parse_err(&config(l.field, v));
-                assert_eq!(e.field, l.field.replace('*', "gpu-a"), "{} = {v}", l.field);
+                let named = if l.field.starts_with("classes.") { "interactive" } else { "gpu-a" };
+                assert_eq!(e.field, l.field.replace('*', named), "{} = {v}", l.field);
                 assert!(e.message.starts_with(&format!("must be between {} and {}", l.min, l.max)), "{e}");
             }
         }

@@ -170,7 +170,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// The position in the whole body.
-    fn pos(&self) -> usize {
+    pub(crate) fn pos(&self) -> usize {
         self.base + self.i
     }
 
@@ -207,7 +207,7 @@ impl<'a> Scanner<'a> {
 
     /// The body's bytes `start..end`: borrowed where one segment holds them (always, for a body
     /// in one buffer), else joined.
-    fn span(&self, start: usize, end: usize) -> Cow<'a, [u8]> {
+    pub(crate) fn span(&self, start: usize, end: usize) -> Cow<'a, [u8]> {
         if let Some(s) = start.checked_sub(self.base).and_then(|lo| self.b.get(lo..end - self.base)) {
             return Cow::Borrowed(s);
         }

@@ -13,6 +13,7 @@ pub mod classify;
 pub mod config;
 pub mod header_map;
 pub mod pool_state;
+pub mod prefix_key;
 pub mod process_pool_table;
 pub mod request_flow;
 pub mod shared_pool_table;

@@ -8,10 +8,11 @@
 //! `dynamic_module.rs`). The decisions themselves are the pure core's (`classify`, `body`,
 //! `pool_state`), so this flow is tested natively.
 
-use crate::body::{parse_body, parse_body_segments};
+use crate::body::{parse_body, parse_body_segments, parse_body_keyed, parse_body_segments_keyed, BodyFacts};
 use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE};
 use crate::config::{DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX};
 use crate::pool_state::{costs_generation, ReadingError, Verdict, HEADER_POOL_LEVEL};
+use crate::prefix_key::{PrefixKeys, PrefixSpec, HEADER_PREFIX_KEY};
 use crate::stats::TrustedCounters;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -266,12 +267,28 @@ pub struct Stream {
     /// Whether the response's level header is read (`PoolStates::reads_response`; a request
     /// not routed by `write`, e.g. a trusted peer's, is always read).
     read_level: bool,
+    /// The class decided on the headers has a prefix key: the body is read for it alone.
+    key_spec: Option<PrefixSpec>,
+    /// The request's prefix keys, written by `write` (docs/prefix-routing.md).
+    keys: Option<PrefixKeys>,
 }
 
 impl Default for Stream {
     fn default() -> Stream {
-        Stream { waiting_for_body: false, replace_headers: false, generates: false, read_level: true }
+        Stream { waiting_for_body: false, replace_headers: false, generates: false, read_level: true, key_spec: None, keys: None }
     }
+}
+
+/// The prefix form of a decided class, when its request can have a key: a generation request
+/// with a JSON body that the filter may buffer (the same conditions as a body rule's).
+fn key_spec_on_headers(config: &FilterConfig, class: &str, headers: &[(&[u8], &[u8])], generates: bool, end_of_stream: bool) -> Option<PrefixSpec> {
+    let spec = *config.prefix.get(class)?;
+    let view = View(headers);
+    let fits = match view.get("content-length").map(|v| v.trim().parse::<usize>()) {
+        Some(Ok(n)) => n > 0 && n <= config.max_body_bytes,
+        _ => true,
+    };
+    (generates && !end_of_stream && is_json(view.get("content-type")) && fits).then_some(spec)
 }
 
 impl Stream {
@@ -294,7 +311,18 @@ impl Stream {
             },
         };
         match head {
-            (Outcome::Decided(d), generates, _) => self.write(cfg, host, &d, generates),
+            (Outcome::Decided(d), generates, _) => {
+                let spec = key_spec_on_headers(config, d.class, &host.request_headers(), generates, end_of_stream);
+                if spec.is_some() {
+                    // Decided, but its class keys the prefix: decide again on the body (the same
+                    // decision: the rule that matched looks at no body), with the key.
+                    self.key_spec = spec;
+                    self.waiting_for_body = true;
+                    self.generates = generates;
+                    return Next::Wait;
+                }
+                self.write(cfg, host, &d, generates)
+            }
             (Outcome::NeedBody, generates, Some(why)) => self.decide_now(cfg, host, Body::Unavailable(why), generates),
             (Outcome::NeedBody, generates, None) => {
                 self.waiting_for_body = true;
@@ -375,18 +403,28 @@ impl Stream {
     }
 
     fn decide_on_body<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, generates: bool) -> Next {
-        let parsed = {
-            let parts = host.request_body();
-            match parts.as_slice() {
-                _ if parts.iter().all(|p| p.is_empty()) => Err(Fallback::Missing),
-                [one] => parse_body(one).map_err(|_| Fallback::InvalidJson),
-                _ => parse_body_segments(&parts).map_err(|_| Fallback::InvalidJson),
-            }
+        let spec = self.key_spec.take();
+        let parsed = parse_request_body(host, spec);
+        let (facts, keys) = match parsed {
+            Ok(parsed) => parsed,
+            Err(why) => return self.decide_now(cfg, host, Body::Unavailable(why), generates),
         };
-        match parsed {
-            Ok(facts) => self.decide_now(cfg, host, Body::Parsed(&facts), generates),
-            Err(why) => self.decide_now(cfg, host, Body::Unavailable(why), generates),
-        }
+        self.waiting_for_body = false;
+        let outcome = {
+            let headers = host.request_headers();
+            classify(&cfg.filter, &View(&headers), Body::Parsed(&facts))
+        };
+        let d = match outcome {
+            Outcome::Decided(d) => d,
+            Outcome::NeedBody => return Next::Continue,
+        };
+        self.keys = match (keys, cfg.filter.prefix.get(d.class)) {
+            (Some(k), Some(_)) if spec.is_some() => Some(k),
+            // A body rule decided a keyed class: the key takes a second pass over the body.
+            (_, Some(&s)) if spec.is_none() && generates => parse_request_body(host, Some(s)).ok().and_then(|(_, k)| k),
+            _ => None,
+        };
+        self.write(cfg, host, &d, generates)
     }
 
     /// Decide with the body known or known to be unavailable (the classifier always decides).
@@ -427,11 +465,35 @@ impl Stream {
                 host.add_request_header(name, value);
             }
         }
+        if let Some(value) = self.keys.as_ref().and_then(PrefixKeys::header_value) {
+            if self.replace_headers {
+                host.set_request_header(HEADER_PREFIX_KEY, Some(&value));
+            } else {
+                host.add_request_header(HEADER_PREFIX_KEY, &value);
+            }
+        } else if self.replace_headers {
+            // A trusted peer's partial decision may carry a key; a request without one has none.
+            host.set_request_header(HEADER_PREFIX_KEY, None);
+        }
         // One clear for all the writes.
         host.clear_route_cache();
         count_decision(m, host, d);
         Next::Continue
     }
+}
+
+/// The request body's facts, and its prefix keys when `spec` asks for them (the reason the body
+/// cannot be used otherwise).
+fn parse_request_body<H: Host>(host: &mut H, spec: Option<PrefixSpec>) -> Result<(BodyFacts, Option<PrefixKeys>), Fallback> {
+    let parts = host.request_body();
+    let parsed = match (parts.as_slice(), spec) {
+        _ if parts.iter().all(|p| p.is_empty()) => return Err(Fallback::Missing),
+        ([one], None) => parse_body(one).map(|f| (f, None)),
+        (_, None) => parse_body_segments(&parts).map(|f| (f, None)),
+        ([one], Some(s)) => parse_body_keyed(one, s),
+        (_, Some(s)) => parse_body_segments_keyed(&parts, s),
+    };
+    parsed.map_err(|_| Fallback::InvalidJson)
 }
 
 fn count_decision<H: Host>(m: &Metrics, host: &mut H, d: &Decision) {

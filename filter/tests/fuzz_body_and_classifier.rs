@@ -14,7 +14,8 @@
 //! A failure prints the seed and the input. Natively the strings are scanned with SSE2, the twin
 //! of the module's Wasm SIMD loop (src/string_run.rs), and AVX2 where the CPU has it.
 
-use infermesh_filter::body::{parse_body, parse_body_segments, BodyFacts, MAX_KEPT_STRING};
+use infermesh_filter::body::{parse_body, parse_body_keyed, parse_body_segments, parse_body_segments_keyed, BodyFacts, MAX_KEPT_STRING};
+use infermesh_filter::prefix_key::{PrefixSpec, MAX_KEYS};
 use infermesh_filter::classify::{classify, Body, Fallback, Outcome, RequestView};
 use infermesh_filter::config::FilterConfig;
 use serde_json::{json, Map, Value};
@@ -31,7 +32,23 @@ fn same_as_serde_scanner(s: u64, input: &[u8]) -> Result<BodyFacts, String> {
     let got = parse_body(input);
     let want = serde_scanner::parse_body(input);
     assert_eq!(got.as_ref().ok(), want.as_ref().ok(), "seed {s}: scanners differ (new {got:?}, serde_json {want:?}) on {:?}", String::from_utf8_lossy(input));
+    same_with_the_prefix_key(s, input, &got);
     got
+}
+
+/// The prefix key (prefix_key.rs) changes nothing the walk decides (the same facts, the same
+/// refusal and where), stays within its bounds, and is the same however the body is cut.
+fn same_with_the_prefix_key(s: u64, input: &[u8], plain: &Result<BodyFacts, String>) {
+    let spec = PrefixSpec { max_keys: 1 + (s as usize ^ input.len()) % MAX_KEYS, chunk_bytes: 64 };
+    let keyed = parse_body_keyed(input, spec);
+    let show = String::from_utf8_lossy(input);
+    assert_eq!(keyed.as_ref().map(|(f, _)| f), plain.as_ref(), "seed {s}: the key changed the walk on {show:?}");
+    if let Ok((_, Some(k))) = &keyed {
+        assert!(k.chain().len() <= spec.max_keys, "seed {s}: {k:?} on {show:?}");
+    }
+    let at = (s as usize ^ 0x5bd1) % (input.len() + 1);
+    let cut = parse_body_segments_keyed(&[&input[..at], &input[at..]], spec);
+    assert_eq!(cut, keyed, "seed {s}: cut at {at} on {show:?}");
 }
 
 

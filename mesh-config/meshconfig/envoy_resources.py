@@ -114,6 +114,11 @@ class Routing:
     degradable: frozenset[str] = frozenset()
     """Classes `when_degraded` may shed: only the filter decides them."""
 
+    def filter_decides(self, cls: str) -> bool:
+        """Only the filter decides this class: `when_degraded` may shed it, or its requests get a
+        prefix key (the filter reads their bodies, docs/prefix-routing.md)."""
+        return cls in self.degradable or self.classes[cls].prefix_key is not None
+
     @classmethod
     def from_policy(cls, policy: Policy) -> "Routing":
         return cls(
@@ -667,8 +672,9 @@ def route_config(m: MeshListener) -> dict:
 #      that needs the body becomes a route on its method/path/header conditions with the filter
 #      on (the filter then decides with every rule, so first-match order holds); a condition
 #      only the filter judges (a regex: Rust's regex and Envoy's RE2 differ) ends the list with a
-#      catch-all filter route; a rule of a class `when_degraded` may shed is a filter route like
-#      a body rule (the filter sheds; a spill is the clusters' health check, no route of its own);
+#      catch-all filter route; a rule of a class `when_degraded` may shed, or of a class with a
+#      prefix key, is a filter route like a body rule (the filter sheds or reads the body for
+#      the key; a spill is the clusters' health check, no route of its own);
 #   3. the default class's route.
 # Client-sent x-infermesh-* headers are removed before any route is chosen (the HCM's early
 # header mutation), so no client can reach the step-1 routes with a header of its own.
@@ -749,7 +755,7 @@ def native_rule_routes(m: MeshListener, routing: Routing) -> list[dict]:
         if match is None:
             # Only the filter can judge this rule: it decides every request from here on.
             return out + pool_routes(m, f"filter-{rule.name}", fail_open, {"prefix": "/"})
-        if rule.match.needs_body or rule.class_ in routing.degradable:
+        if rule.match.needs_body or routing.filter_decides(rule.class_):
             # The filter reads the body (or applies when_degraded) and decides with every rule;
             # its pool header then sends the request to a step-1 route.
             if match not in to_filter:
@@ -759,7 +765,7 @@ def native_rule_routes(m: MeshListener, routing: Routing) -> list[dict]:
         if match in to_filter:
             continue  # every request it matches goes to the filter first (e.g. chat after chat-bulk)
         out += decided_routes(m, routing, f"rule-{rule.name}", match, rule.class_, rule.name)
-    if routing.default_class in routing.degradable:
+    if routing.filter_decides(routing.default_class):
         return out + pool_routes(m, "filter-default", fail_open, {"prefix": "/"})
     return out + decided_routes(m, routing, "default-pool", {"prefix": "/"}, routing.default_class, "default")
 

@@ -286,6 +286,27 @@ class Rule(_Rule):
 
 # ---- classes, models, pools -------------------------------------------------------------------
 
+def _bounded(lo: int, hi: int):
+    """A bounded integer with the filter's own wording (config.rs `bounded`)."""
+    def check(v: int) -> int:
+        if not lo <= v <= hi:
+            raise FieldError("", f"must be between {lo} and {hi}")
+        return v
+    return Annotated[StrictInt, AfterValidator(check), Field(json_schema_extra={"minimum": lo, "maximum": hi})]
+
+
+class PrefixKeySpec(Strict):
+    """The prefix key the filter writes for a class's chat and completion requests
+    (`x-infermesh-prefix-key`, docs/prefix-routing.md): a chain of keys naming the reusable
+    prefix (the system prompt and earlier turns; a prompt's leading chunks). The filter's limits
+    and defaults (config.rs PREFIX_MAX_KEYS, PREFIX_CHUNK_BYTES)."""
+
+    max_keys: _bounded(1, 8) = 4
+    """Keys in the chain, longest prefix first, ending with the system prompt's (or the first chunk's)."""
+    chunk_bytes: _bounded(64, 65536) = 1024
+    """A completion prompt is keyed by whole chunks of this many bytes of its JSON string."""
+
+
 class ClassSpec(ClassSettings):
     """A semantic class: the pool that serves it and how that pool treats it."""
 
@@ -301,6 +322,11 @@ class ClassSpec(ClassSettings):
     """Past the deadline keep the first attempt running and race another (the first to send its
     headers wins, Envoy resets the rest); false: the deadline is a hard limit (504 at once).
     Default: true for classes that are not `sheddable` (interactive hedges, batch does not)."""
+
+    prefix_key: PrefixKeySpec | None = None
+    """Set: the filter reads this class's chat/completion bodies (up to `filter.body_max_bytes`)
+    and writes their prefix key (docs/prefix-routing.md); its rules are then decided by the
+    filter, not by Envoy's route table. None: no key."""
 
     @property
     def hedges(self) -> bool:
@@ -358,15 +384,6 @@ def _cidr_error(s: str) -> str | None:
     # The prefix is a u8 as Rust parses it: digits with an optional `+`.
     ok = ip is not None and (not slash or (re.fullmatch(r"\+?[0-9]+", prefix) is not None and int(prefix) <= ip.max_prefixlen))
     return None if ok else f"`{s}` is not an IP network"
-
-
-def _bounded(lo: int, hi: int):
-    """A bounded integer with the filter's own wording (config.rs `bounded`)."""
-    def check(v: int) -> int:
-        if not lo <= v <= hi:
-            raise FieldError("", f"must be between {lo} and {hi}")
-        return v
-    return Annotated[StrictInt, AfterValidator(check), Field(json_schema_extra={"minimum": lo, "maximum": hi})]
 
 
 class PoolStateSpec(Strict):
@@ -518,7 +535,8 @@ class Policy(Strict):
         `probe_clusters`: see `degraded_routing`."""
         classes = {}
         for name, c in self.classes.items():
-            classes[name] = {"pool": c.pool} | ({"objective": c.objective} if c.objective else {})
+            classes[name] = {"pool": c.pool} | ({"objective": c.objective} if c.objective else {}) \
+                | ({"prefix_key": c.prefix_key.model_dump()} if c.prefix_key is not None else {})
         cfg: dict[str, Any] = {
             "version": 1,
             "default_class": self.default_class,

@@ -37,7 +37,7 @@ import yaml
 
 from infermesh.meshconfig import filter_regex
 from infermesh.meshconfig.policy import (RESERVED_RULE_NAMES, TOKEN_MAX_LEN, DegradedRouting, FilterSpec, PolicyError, PoolStateSpec,
-                                         parse_policy)
+                                         PrefixKeySpec, parse_policy)
 from infermesh.settings import LEVEL_DOWN, NAME
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,6 +209,8 @@ OTHER_VALID = {
     "body-limit-min": {"filter": {"body_max_bytes": 1}},
     "objective": {"classes": {"interactive": {"pool": "interactive", "objective": "chat-latency"}, "batch": {"pool": "batch"}}},
     "emit-objective": {"filter": {"emit_objective_header": True}},
+    "prefix-key": {"classes": CLASSES | {"interactive": {"pool": "interactive", "prefix_key": {"max_keys": 2, "chunk_bytes": 512}},
+                                         "batch": {"pool": "batch", "prefix_key": {}}}},
     "when-degraded": {"when_degraded": {"interactive": {"at_level": 2, "spill_to": "batch", "shed_classes": ["batch", "interactive"]}},
                       "filter": {"pool_state": {"probe_interval_ms": 50, "probe_timeout_ms": 60000, "stale_after_ms": 100,
                                                 "recover_hold_ms": 0, "retry_after_s": 3600}}},
@@ -223,6 +225,8 @@ OTHER_VALID = {
 # pool that sheds, so that the filter config has degraded_routing (and its pool_state bounds).
 WD = {"when_degraded": {"interactive": {"spill_to": "batch", "shed_classes": ["batch"]}}}
 OTHER_INVALID = {
+    "prefix-key-unknown-field": ({"classes": CLASSES | {"interactive": {"pool": "interactive", "prefix_key": {"max_key": 2}}}},
+                                 "classes.interactive.prefix_key.max_key"),
     "body-limit-zero": ({"filter": {"body_max_bytes": 0}}, "filter.body_max_bytes"),
     "body-limit-over": ({"filter": {"body_max_bytes": 983041}}, "filter.body_max_bytes"),
     "cidr-prefix": ({"filter": {"trusted_cidrs": ["10.0.0.0/33"]}}, "filter.trusted_cidrs.0"),
@@ -315,6 +319,10 @@ BOUNDED = {
     # A pool that sheds, so that the filter config carries it.
     "degraded_routing.pools.*.at_level": ("pools.batch.when_degraded.at_level", DegradedRouting, "at_level",
                                           lambda v: {"when_degraded": {"batch": {"at_level": v, "shed_classes": ["batch"]}}}),
+    # A class's prefix key (docs/prefix-routing.md): the classes go to the filter as written.
+    **{f"classes.*.prefix_key.{k}": (f"classes.interactive.prefix_key.{k}", PrefixKeySpec, k,
+                                     lambda v, k=k: {"classes": CLASSES | {"interactive": {"pool": "interactive", "prefix_key": {k: v}}}})
+       for k in ("max_keys", "chunk_bytes")},
 }
 
 # Defaults that differ on purpose: (the policy's, the filter's, why).
@@ -613,7 +621,7 @@ def test_the_policy_holds_the_filters_limits(filter_limits):
     # Both directions: a bounded field on either side without its twin fails.
     assert set(filter_limits["bounded"]) == set(BOUNDED)
     ours = {(model, name) for _, model, name, _ in BOUNDED.values()}
-    for model in (FilterSpec, PoolStateSpec, DegradedRouting):
+    for model in (FilterSpec, PoolStateSpec, DegradedRouting, PrefixKeySpec):
         props = model.model_json_schema()["properties"]
         bounded = {n for n, p in props.items() if "minimum" in p or "maximum" in p}
         assert bounded <= {n for m, n in ours if m is model}, f"{model.__name__}: bounded fields the filter does not bound"
@@ -630,7 +638,7 @@ def test_the_policy_holds_the_filters_limits(filter_limits):
         else:
             assert default == theirs["default"], f"{field}: policy default {default}, filter {theirs['default']}"
         compared += 1
-    assert compared == 7
+    assert compared == 9
     # The rest of the defaults the filter fills in: the policy's are the same.
     d = filter_limits["defaults"]
     spec = FilterSpec()

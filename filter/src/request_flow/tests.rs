@@ -115,8 +115,12 @@ const CONFIG: &str = r#"{
 
 /// The config with counter ids in definition order, and the names by id.
 fn module() -> (ModuleConfig, Vec<String>) {
+    module_of(CONFIG)
+}
+
+fn module_of(config: &str) -> (ModuleConfig, Vec<String>) {
     let mut names = Vec::new();
-    let cfg = ModuleConfig::new(FilterConfig::parse(CONFIG.as_bytes()).expect("test config"), &mut |n| {
+    let cfg = ModuleConfig::new(FilterConfig::parse(config.as_bytes()).expect("test config"), &mut |n| {
         names.push(n.to_string());
         Some(names.len() - 1)
     });
@@ -604,4 +608,141 @@ fn the_request_path_never_panics_and_never_lets_an_outside_header_through() {
     }
     eprintln!("request path fuzz: seed {s}, {n} requests");
     assert!(n > 1000, "too few iterations to mean anything: {n}");
+}
+
+// ---- the prefix key (docs/prefix-routing.md) ---------------------------------------------------
+
+const PREFIX_CONFIG: &str = r#"{
+  "version": 1,
+  "default_class": "plain",
+  "classes": {
+    "interactive": {"pool": "interactive", "prefix_key": {"max_keys": 4, "chunk_bytes": 64}},
+    "batch": {"pool": "batch", "prefix_key": {}},
+    "plain": {"pool": "batch"}
+  },
+  "rules": [
+    {"name": "chat-bulk", "class": "batch",
+     "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}, "body": {"stream": false}}},
+    {"name": "unkeyed", "class": "plain", "match": {"headers": [{"name": "x-plain", "present": true}]}},
+    {"name": "chat", "class": "interactive", "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}}},
+    {"name": "completions", "class": "interactive", "match": {"methods": ["POST"], "path": {"prefix": "/v1/completions"}}}
+  ],
+  "trusted_sources": {"cidrs": ["10.8.0.0/16"]}
+}"#;
+
+fn prefix_module() -> (ModuleConfig, Vec<String>) {
+    module_of(PREFIX_CONFIG)
+}
+
+const TWO_TURNS: &[u8] = br#"{"stream":true,"messages":[{"role":"system","content":"You are tenant 7's assistant."},{"role":"user","content":"hi"},{"role":"assistant","content":"hello"},{"role":"user","content":"my order"}]}"#;
+
+/// Headers, then the whole body at once: the request's headers afterwards.
+fn decide(cfg: &ModuleConfig, h: &mut FakeHost) -> Next {
+    let mut s = Stream::default();
+    match s.on_request_headers(cfg, h, h.body.is_empty()) {
+        Next::Wait => s.on_request_body(cfg, h, true),
+        next => next,
+    }
+}
+
+fn expected_key(body: &[u8]) -> Option<String> {
+    let spec = PrefixSpec { max_keys: 4, chunk_bytes: 64 };
+    crate::body::parse_body_keyed(body, spec).unwrap().1.and_then(|k| k.header_value())
+}
+
+#[test]
+fn a_keyed_class_decided_on_the_headers_waits_for_the_body_and_writes_the_key() {
+    let (cfg, names) = prefix_module();
+    let mut h = chat(TWO_TURNS);
+    let mut s = Stream::default();
+    assert_eq!(s.on_request_headers(&cfg, &mut h, false), Next::Wait, "the key needs the body");
+    assert_eq!(h.header(HEADER_POOL), None, "nothing written before the body");
+    assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Continue);
+    assert_eq!((h.header(HEADER_CLASS), h.header(HEADER_RULE)), (Some("interactive"), Some("chat")));
+    let key = h.header(HEADER_PREFIX_KEY).expect("a two-turn chat has a prefix");
+    assert_eq!(Some(key.to_string()), expected_key(TWO_TURNS));
+    assert_eq!(key.split(',').count(), 3, "before the last turn, before the answer... and the system prompt: {key}");
+    assert_eq!(h.route_cache_clears, 1);
+    assert_eq!(counted(&h, &names), ["infermesh.requests_total.class.interactive.pool.interactive.rule.chat"]);
+}
+
+#[test]
+fn a_keyed_class_decided_by_a_body_rule_gets_its_key() {
+    let (cfg, _) = prefix_module();
+    let body = br#"{"stream":false,"messages":[{"role":"system","content":"Summarise."},{"role":"user","content":"text"}]}"#;
+    let mut h = chat(body);
+    assert_eq!(decide(&cfg, &mut h), Next::Continue);
+    assert_eq!(h.header(HEADER_RULE), Some("chat-bulk"));
+    assert_eq!(h.header(HEADER_PREFIX_KEY).map(str::to_string), expected_key(body));
+    assert!(h.header(HEADER_PREFIX_KEY).is_some());
+}
+
+#[test]
+fn completions_are_keyed_by_whole_chunks() {
+    let (cfg, _) = prefix_module();
+    let body = format!(r#"{{"prompt":"{}"}}"#, "few-shot example. ".repeat(10));
+    let mut h = FakeHost::request("POST", "/v1/completions", &[("content-type", "application/json")]);
+    h.body = body.clone().into_bytes();
+    decide(&cfg, &mut h);
+    assert_eq!(h.header(HEADER_RULE), Some("completions"));
+    assert_eq!(h.header(HEADER_PREFIX_KEY).map(str::to_string), expected_key(body.as_bytes()));
+    assert_eq!(h.header(HEADER_PREFIX_KEY).unwrap().split(',').count(), 2, "180 bytes: two whole chunks of 64");
+}
+
+#[test]
+fn requests_without_a_usable_prefix_or_a_keyed_class_get_no_key_and_no_wait() {
+    let (cfg, _) = prefix_module();
+    // A one-turn chat, an empty system prompt: decided on the body, no key.
+    for body in [&br#"{"stream":true,"messages":[{"role":"user","content":"hi"}]}"#[..], br#"{"stream":true,"messages":[{"role":"system","content":""},{"role":"user","content":"hi"}]}"#] {
+        let mut h = chat(body);
+        decide(&cfg, &mut h);
+        assert_eq!(h.header(HEADER_RULE), Some("chat"));
+        assert_eq!(h.header(HEADER_PREFIX_KEY), None);
+    }
+    // gRPC, a class without a key, a request without a body, one too large: decided on the
+    // headers at once, as without prefix keys (on a path no body rule looks at).
+    let cases: [(&str, &[(&str, &str)], bool); 4] = [
+        ("/v1/completions", &[("content-type", "application/grpc")], false),
+        ("/v1/completions", &[("content-type", "application/json"), ("x-plain", "1")], false),
+        ("/v1/completions", &[("content-type", "application/json")], true),
+        ("/v1/completions", &[("content-type", "application/json"), ("content-length", "999999")], false),
+    ];
+    for (path, headers, eos) in cases {
+        let mut h = FakeHost::request("POST", path, headers);
+        let next = Stream::default().on_request_headers(&cfg, &mut h, eos);
+        assert_eq!(next, Next::Continue, "{headers:?}");
+        assert!(h.header(HEADER_CLASS).is_some());
+        assert_eq!(h.header(HEADER_PREFIX_KEY), None);
+    }
+    // A GET of a keyed class generates nothing: no key.
+    let mut h = FakeHost::request("GET", "/v1/completions", &[("content-type", "application/json")]);
+    assert_eq!(Stream::default().on_request_headers(&cfg, &mut h, false), Next::Continue);
+}
+
+#[test]
+fn a_client_cannot_choose_a_replica_by_sending_the_prefix_key() {
+    let (cfg, names) = prefix_module();
+    // Spoofed on a request that has a key of its own: the filter's replaces it.
+    let mut h = chat(TWO_TURNS);
+    h.request.push((HEADER_PREFIX_KEY.to_string(), "00000000000000aa".to_string()));
+    decide(&cfg, &mut h);
+    assert_eq!(h.request.iter().filter(|(k, _)| k == HEADER_PREFIX_KEY).count(), 1);
+    assert_eq!(h.header(HEADER_PREFIX_KEY).map(str::to_string), expected_key(TWO_TURNS));
+    assert!(counted(&h, &names).contains(&"infermesh.stripped_requests_total".to_string()));
+    // On one without a usable prefix, or of a class without keys: none is left.
+    for (body, extra) in [(&br#"{"stream":true,"messages":[{"role":"user","content":"hi"}]}"#[..], None), (TWO_TURNS, Some(("x-plain", "1")))] {
+        let mut h = chat(body);
+        h.request.push((HEADER_PREFIX_KEY.to_string(), "00000000000000aa".to_string()));
+        if let Some((k, v)) = extra {
+            h.request.push((k.to_string(), v.to_string()));
+        }
+        decide(&cfg, &mut h);
+        assert_eq!(h.header(HEADER_PREFIX_KEY), None);
+    }
+    // A trusted peer's partial decision (no class and pool): decided here, its key replaced.
+    let mut h = chat(TWO_TURNS);
+    h.source = Some("10.8.0.9:5000".into());
+    h.request.push((HEADER_PREFIX_KEY.to_string(), "00000000000000aa".to_string()));
+    decide(&cfg, &mut h);
+    assert_eq!(h.header(HEADER_PREFIX_KEY).map(str::to_string), expected_key(TWO_TURNS));
 }
