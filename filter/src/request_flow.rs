@@ -404,24 +404,18 @@ impl Stream {
 
     fn decide_on_body<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, generates: bool) -> Next {
         let spec = self.key_spec.take();
-        let parsed = parse_request_body(host, spec);
-        let (facts, keys) = match parsed {
+        let (facts, keys) = match parse_request_body(host, spec) {
             Ok(parsed) => parsed,
             Err(why) => return self.decide_now(cfg, host, Body::Unavailable(why), generates),
         };
-        self.waiting_for_body = false;
-        let outcome = {
-            let headers = host.request_headers();
-            classify(&cfg.filter, &View(&headers), Body::Parsed(&facts))
+        let d = match self.classify_now(cfg, host, Body::Parsed(&facts)) {
+            Some(d) => d,
+            None => return Next::Continue,
         };
-        let d = match outcome {
-            Outcome::Decided(d) => d,
-            Outcome::NeedBody => return Next::Continue,
-        };
-        self.keys = match (keys, cfg.filter.prefix.get(d.class)) {
-            (Some(k), Some(_)) if spec.is_some() => Some(k),
+        self.keys = match cfg.filter.prefix.get(d.class) {
+            Some(_) if spec.is_some() => keys,
             // A body rule decided a keyed class: the key takes a second pass over the body.
-            (_, Some(&s)) if spec.is_none() && generates => parse_request_body(host, Some(s)).ok().and_then(|(_, k)| k),
+            Some(&s) if generates => parse_request_body(host, Some(s)).ok().and_then(|(_, k)| k),
             _ => None,
         };
         self.write(cfg, host, &d, generates)
@@ -429,14 +423,19 @@ impl Stream {
 
     /// Decide with the body known or known to be unavailable (the classifier always decides).
     fn decide_now<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, body: Body, generates: bool) -> Next {
+        match self.classify_now(cfg, host, body) {
+            Some(d) => self.write(cfg, host, &d, generates),
+            None => Next::Continue,
+        }
+    }
+
+    /// The classifier's decision now that the body is settled (None: it still asks for the body).
+    fn classify_now<'c, H: Host, P: PoolStates>(&mut self, cfg: &'c Accepted<P>, host: &H, body: Body) -> Option<Decision<'c>> {
         self.waiting_for_body = false;
-        let outcome = {
-            let headers = host.request_headers();
-            classify(&cfg.filter, &View(&headers), body)
-        };
-        match outcome {
-            Outcome::Decided(d) => self.write(cfg, host, &d, generates),
-            Outcome::NeedBody => Next::Continue,
+        let headers = host.request_headers();
+        match classify(&cfg.filter, &View(&headers), body) {
+            Outcome::Decided(d) => Some(d),
+            Outcome::NeedBody => None,
         }
     }
 
