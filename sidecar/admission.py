@@ -51,6 +51,11 @@ class Admission:
     waiter: Waiter | None = None
     """Its place at the model's engine slots (time-bounded admission)."""
 
+    @property
+    def admitted_for_s(self) -> float:
+        """The first token it was admitted for: ADMIT_SHARE of its class's target."""
+        return ADMIT_SHARE * self.target_s
+
 
 EWMA_WEIGHT = 0.2
 """Weight of the newest measurement in the pool's service estimates: about the last ten requests."""

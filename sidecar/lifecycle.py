@@ -239,7 +239,7 @@ class RequestLifecycle:
         """When a stream without a first token may be cut (`cut_if_pressed`), on the pool's clock:
         ADMIT_SHARE of its class's target after admission, the share it was admitted for (None: no target)."""
         adm = self.admit()
-        return self._admitted_at + ADMIT_SHARE * adm.target_s if math.isfinite(adm.target_s) else None
+        return self._admitted_at + adm.admitted_for_s if math.isfinite(adm.target_s) else None
 
     def cut_if_pressed(self) -> bool:
         """A stream in vLLM without a first token at ADMIT_SHARE of its class's target (admitted on
@@ -253,7 +253,7 @@ class RequestLifecycle:
             return False
         if not self.pool.admission.pressed_since(self._admitted_at):
             return False
-        self.req.ttft_give_up_s = ADMIT_SHARE * adm.target_s
+        self.req.ttft_give_up_s = adm.admitted_for_s
         self._target_limit = True
         self._cut = True
         return True
