@@ -210,3 +210,20 @@ def test_the_mesh_serves_the_same_with_the_native_filter_runtime(local_mesh, cli
         path.write_text(good)
         before = filter_count(local_mesh, "wasmcustom", "chat", "interactive")
         wait_until(lambda: decided_by("wasmcustom", before), 20, every=0.2, what="the Wasm filter deciding chats again")
+
+
+def test_a_repeated_prompt_hits_vllms_prefix_cache(local_mesh, client):
+    # Prefix caching is set explicitly per model (settings.ModelSettings.prefix_caching, on by
+    # default); vLLM's own counters show it on the sidecar's /metrics (issue 30).
+    system = "You are a careful assistant for the lighthouse keepers' guild. " * 30
+    q_before = counter(local_mesh, "interactive", "vllm:prefix_cache_queries_total")
+    h_before = counter(local_mesh, "interactive", "vllm:prefix_cache_hits_total")
+    for question in ("What is a lens?", "What is a lamp?"):
+        client.chat.completions.create(model="tiny-llama", max_tokens=2, temperature=0,
+                                       messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+    # vLLM publishes its scheduler stats a moment after each step: wait for the second request's.
+    assert wait_until(lambda: counter(local_mesh, "interactive", "vllm:prefix_cache_hits_total") > h_before, 10,
+                      what="prefix cache hits on the interactive sidecar")
+    queries = counter(local_mesh, "interactive", "vllm:prefix_cache_queries_total") - q_before
+    hits = counter(local_mesh, "interactive", "vllm:prefix_cache_hits_total") - h_before
+    assert queries > 0 and hits >= 0.3 * queries, (hits, queries)

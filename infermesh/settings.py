@@ -144,6 +144,10 @@ class ModelSettings(Strict):
     """Sequences vLLM batches at once."""
     dtype: Dtype = "auto"
     """vLLM's weight and activation dtype."""
+    prefix_caching: bool = True
+    """vLLM's automatic prefix caching (`--enable-prefix-caching`): a prompt whose leading blocks
+    an earlier request computed reuses their KV cache. Set explicitly, so a vLLM default that
+    changes does not change what a pool does; its hits are `vllm:prefix_cache_hits`."""
     chat_template: Annotated[str, Field(min_length=1)] | None = None
     """The chat template (vLLM's `--chat-template`): a file path on the sidecar's machine, a name of
     vLLM's bundled templates, or the Jinja text itself; default: the tokenizer's own."""

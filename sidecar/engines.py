@@ -89,6 +89,7 @@ class ModelEngine:
             max_model_len=m.max_model_len,
             kv_cache_memory_bytes=m.kv_cache_bytes,
             max_num_seqs=m.max_num_seqs,
+            enable_prefix_caching=m.prefix_caching,
             dtype=m.dtype,
             enforce_eager=True,
             disable_log_stats=True,

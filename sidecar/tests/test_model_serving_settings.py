@@ -82,6 +82,13 @@ def test_engine_args_carry_generation_config_and_reasoning_parser(started, tmp_p
     assert FakeEngineArgs.seen["generation_config"] == str(tmp_path)
 
 
+def test_engine_args_set_prefix_caching_explicitly(started):
+    started(model())
+    assert FakeEngineArgs.seen["enable_prefix_caching"] is True, "on by default, never left to vLLM's default"
+    started(model(prefix_caching=False))
+    assert FakeEngineArgs.seen["enable_prefix_caching"] is False
+
+
 def test_a_generation_config_folder_that_is_missing_fails_the_start(started, tmp_path):
     with pytest.raises(ConfigError, match=r"model m: generation_config: '.*nowhere' is not a folder"):
         started(model(generation_config=str(tmp_path / "nowhere")))
