@@ -26,13 +26,15 @@ The typed model, as other modules use it (every object is an immutable pydantic 
     policy.classes[name]            ClassSpec: .pool .objective .priority .sheddable .vllm_priority
                                     .ttft_deadline_ms .hedge (.hedges: the effective choice)
     policy.rules[i]                 Rule: .name .class_ (YAML `class`) .match .wire()
-    rule.match                      Match: .methods .path .headers .body .needs_body
+    rule.match                      Match: .methods .path .headers .body .content .needs_body
     match.path / body.model / …     StringMatch: .exact .prefix .regex, .kind ("exact"|"prefix"|"regex"), .value
     match.headers[j]                HeaderMatch: .name .exact .prefix .regex .present,
                                     .value_match (StringMatch | None), .must_be_absent
     match.body                      BodyMatch: .stream .max_tokens .n .model .message_count
                                     .prompt_chars .priority .service_tier (Range / StringMatch)
     Range                           .min .max (either may be None)
+    match.content                   ContentMatch: .label .min_score (the content classifier's verdict)
+    policy.content_model            content_model.ContentModel | None (inline, or `{file: PATH}` beside the policy)
     policy.pools[name]              PoolSpec: .models (ModelSpec) .gpu .replicas .serving
                                     .breakers .standby .monitor .when_degraded
     policy.needs_body, policy.default_pool, policy.objective(cls), policy.failover(),
@@ -62,12 +64,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
 import yaml
-from pydantic import (AfterValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, ValidationInfo,
+                      WithJsonSchema, field_validator, model_validator)
 
 from infermesh.settings import (GRPC_PORT, HTTP_PORT, LEVEL_DOWN, NAME, ClassSettings, ModelSettings, PoolSettings, ServingSettings,
                                 Strict, check_ladder)
 
+from . import content_model as cm
 from .filter_regex import SIZE_LIMIT as REGEX_SIZE_LIMIT, regex_error, size_limit as regex_size_limit
 
 __all__ = [
@@ -229,6 +232,24 @@ class BodyMatch(_Rule):
     service_tier: StringMatch | None = None
 
 
+class ContentMatch(_Rule):
+    """The content classifier's verdict on the request's text (the policy's `content_model`,
+    docs/content-classes.md): its label is `label` with a score of at least `min_score`. A request
+    without text never matches."""
+
+    label: Annotated[StrictStr, Field(json_schema_extra={"pattern": cm.LABEL})]
+    """One of the model's labels."""
+    min_score: Annotated[float, Field(strict=True, json_schema_extra={"minimum": 0, "maximum": 1})] = 0
+    """The winning label's softmax probability must be at least this (0..1)."""
+
+    @field_validator("min_score")
+    @classmethod
+    def _score(cls, v: float) -> float:
+        if not 0 <= v <= 1:
+            raise FieldError("", "must be between 0 and 1")
+        return v
+
+
 class Match(_Rule):
     """All conditions must hold; an empty match matches every request."""
 
@@ -238,6 +259,8 @@ class Match(_Rule):
     """The path without the query string; `exact` and `prefix` start with `/`."""
     headers: list[HeaderMatch] = []
     body: BodyMatch | None = None
+    content: ContentMatch | None = None
+    """The label the policy's `content_model` gives the request's text (it reads the body)."""
 
     @field_validator("path")
     @classmethod
@@ -249,7 +272,7 @@ class Match(_Rule):
     @property
     def needs_body(self) -> bool:
         """Whether the filter must read the body to judge this match."""
-        return self.body is not None
+        return self.body is not None or self.content is not None
 
     def regexes(self) -> list[tuple[str, str]]:
         """(field path below the match, pattern) of each regex it compiles, in the filter's order."""
@@ -444,12 +467,33 @@ class FilterSpec(Strict):
         return principals
 
 
+_CONTENT_MODEL_SCHEMA = {
+    "description": "The content classifier (docs/content-classes.md): the model `infermesh classes train` writes, "
+                   "inline or as `{file: PATH}` (relative to the policy file)",
+    "oneOf": [
+        {"type": "object", "additionalProperties": False, "required": ["file"], "properties": {"file": {"type": "string", "minLength": 1}}},
+        {"type": "object", "additionalProperties": False, "required": list(cm.MODEL_FIELDS), "properties": {
+            "version": {"const": cm.VERSION},
+            "labels": {"type": "array", "minItems": cm.MIN_LABELS, "maxItems": cm.MAX_LABELS, "items": {"type": "string", "pattern": cm.LABEL}},
+            "dim": {"type": "integer", "minimum": cm.DIM_MIN, "maximum": cm.DIM_MAX},
+            "word_ngrams": {"type": "integer", "minimum": 1, "maximum": 2},
+            "char_ngrams": {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer", "minimum": 0, "maximum": cm.CHAR_NGRAM_MAX}},
+            "max_text_bytes": {"type": "integer", "minimum": cm.MAX_TEXT_MIN, "maximum": cm.MAX_TEXT_MAX},
+            "scale": {"type": "number", "exclusiveMinimum": 0},
+            "bias": {"type": "array", "items": {"type": "number"}},
+            "weights": {"type": "string"}}},
+    ],
+}
+
+
 class Policy(Strict):
     version: Annotated[int, Field(ge=1, le=1)] = 1
     default_class: str
     classes: Annotated[dict[Annotated[str, Field(pattern=NAME)], ClassSpec], Field(min_length=1)]
     rules: list[Rule] = []
     """Ordered: the first rule whose match holds decides (docs/filter.md)."""
+    content_model: Annotated[Any, WithJsonSchema(_CONTENT_MODEL_SCHEMA)] = None
+    """The content classifier that rules' `match.content` ask (cm.ContentModel once validated)."""
     filter: FilterSpec = FilterSpec()
     pools: Annotated[dict[Annotated[str, Field(pattern=NAME)], PoolSpec], Field(min_length=1)]
 
@@ -480,11 +524,39 @@ class Policy(Strict):
             seen.add(r.name)
             if r.class_ not in self.classes:
                 raise FieldError(f"rules.{i}.class", f"unknown class `{r.class_}`")
+            if (content := r.match.content) is not None:
+                if self.content_model is None:
+                    raise FieldError(f"rules.{i}.match.content", "a `content` condition needs a `content_model`")
+                if content.label not in self.content_model.labels:
+                    raise FieldError(f"rules.{i}.match.content.label",
+                                     f"unknown label `{content.label}` (the content model's labels: {', '.join(self.content_model.labels)})")
             if limit < REGEX_SIZE_LIMIT:
                 for sub, pattern in r.match.regexes():
                     if why := regex_error(pattern, limit):
                         raise FieldError(f"rules.{i}.match.{sub}.regex", f"invalid regex: {why}")
         return self
+
+    @field_validator("content_model", mode="before")
+    @classmethod
+    def _content_model(cls, v: Any, info: ValidationInfo) -> cm.ContentModel | None:
+        """An inline model, or `{file: PATH}` read relative to the policy's directory (the
+        context's `policy_dir`; parse_policy passes it)."""
+        if v is None or isinstance(v, cm.ContentModel):
+            return v
+        if isinstance(v, dict) and "file" in v:
+            if set(v) != {"file"}:
+                raise FieldError("", "either `{file: PATH}` or the model itself, not both")
+            name = v["file"]
+            if not isinstance(name, str) or not name:
+                raise FieldError("file", "must be the path of a model file")
+            try:
+                return cm.load_model(Path((info.context or {}).get("policy_dir") or ".") / name)
+            except cm.ModelError as e:
+                raise FieldError(e.field or "file", f"{e.message} (in {name})" if e.field else e.message) from e
+        try:
+            return cm.ContentModel.from_obj(v)
+        except cm.ModelError as e:
+            raise FieldError(e.field, e.message) from e
 
     # ---- what other modules ask ---------------------------------------------------------------
 
@@ -549,6 +621,8 @@ class Policy(Strict):
             cfg["trusted_sources"] = {"cidrs": list(self.filter.trusted_cidrs), "principals": list(self.filter.trusted_principals)}
         if (degraded := self.degraded_routing(probe_clusters)) is not None:
             cfg["degraded_routing"] = degraded
+        if self.content_model is not None:
+            cfg["content_model"] = self.content_model.to_obj()
         return cfg
 
     def sidecar_config(self, pool: str, models_dir: Path, *, host: str = "127.0.0.1", http_port: int = HTTP_PORT,
@@ -767,7 +841,9 @@ def parse_policy(text: str, path: str = "<policy>") -> Policy:
     if not isinstance(data, dict):
         raise PolicyError(path, [(1, "(root)", "a policy is a mapping with version, classes, pools, …")])
     try:
-        return Policy.model_validate(data)
+        # A content model's `file` is relative to the policy's directory.
+        policy_dir = str(Path(path).parent) if not path.startswith("<") else None
+        return Policy.model_validate(data, context={"policy_dir": policy_dir})
     except ValidationError as e:
         problems = []
         for err in e.errors():
