@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from infermesh.meshconfig.envoy_bootstrap import write_bootstrap
-from infermesh.meshconfig.envoy_resources import native_module_env
+from infermesh.meshconfig.envoy_resources import ACCESS_LOG_ENV, native_module_env
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.xds_server import xds_bootstrap
 
@@ -239,6 +239,11 @@ class LocalMesh:
         return f"sidecar-{pool}" if replica == 0 else f"sidecar-{pool}.{replica}"
 
     @property
+    def access_log(self) -> Path:
+        """Envoy's JSON access log of the mesh listener."""
+        return self.run_dir / "envoy-access.log"
+
+    @property
     def base_url(self) -> str:
         return f"http://{self.plan.host}:{self.plan.listen_port}"
 
@@ -279,13 +284,17 @@ class LocalMesh:
             xds += ["--pool", f"{p.name}={self.plan.host}:{p.http_port}:{p.grpc_port}"]
             if p.admin_port:
                 xds += ["--pool-admin", f"{p.name}=http://127.0.0.1:{p.admin_port}"]
-        self._spawn("control-plane", xds, cpus=self.proxy_cores)
+        # Envoy's JSON access log (one line per request, docs/observability.md): the control plane
+        # builds the listener in its own process and takes the path from its environment.
+        self._spawn("control-plane", xds, {ACCESS_LOG_ENV: str(self.access_log)}, cpus=self.proxy_cores)
         progress(f"control plane: starting (ADS 127.0.0.1:{self.plan.xds_port}, metrics http://127.0.0.1:{self.plan.metrics_port}/metrics, "
                  f"watching {self.plan.policy_path})")
         bootstrap = self.run_dir / "envoy.json"
         bootstrap.write_text(json.dumps(xds_bootstrap(self.plan.admin_port, "127.0.0.1", self.plan.xds_port), indent=2))
         # For reading only: the resources the control plane serves, as a static config.
-        write_bootstrap(self.plan.listener(self.wasm), self.run_dir / "envoy-resources.json")
+        served = self.plan.listener(self.wasm)
+        served.access_log_path = str(self.access_log)
+        write_bootstrap(served, self.run_dir / "envoy-resources.json")
         envoy = paths.envoy_binary()
         self._spawn(
             "envoy",

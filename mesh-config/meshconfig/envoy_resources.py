@@ -31,6 +31,7 @@ Degraded-mode routing (`when_degraded`, docs/filter.md) is split between Envoy a
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,8 @@ V8_RUNTIME = "envoy.wasm.runtime.v8"
 # connection buffer (1 MiB) can land before it lets go; the stream's buffer must hold both, or
 # Envoy answers 413 on the filter's behalf.
 REQUEST_BUFFER_LIMIT_BYTES = 2 * 1024 * 1024 + 1024 * 1024
+ACCESS_LOG_ENV = "INFERMESH_ENVOY_ACCESS_LOG"
+"""Where the control plane's listener has Envoy write its access log (MeshListener.access_log_path)."""
 
 
 # -- what the parts are built from ---------------------------------------------------------------
@@ -186,6 +189,10 @@ class MeshListener:
     edge_paths: tuple[str, ...] = ()
     """The paths the listener routes to a pool (default `EDGE_PATHS`, the serving API); every
     other path gets the JSON 404 of `not_found_route`."""
+    access_log_path: str | None = field(default_factory=lambda: os.environ.get(ACCESS_LOG_ENV) or None)
+    """Where Envoy writes its JSON access log (`access_log`), a file or /dev/stdout; None: no
+    access log. Default: `$INFERMESH_ENVOY_ACCESS_LOG`, which the local mesh's launcher sets for
+    the control plane's process (it builds a MeshListener per policy and has no flag for it)."""
 
     def __post_init__(self) -> None:
         if self.filter_runtime not in FILTER_RUNTIMES:
@@ -926,6 +933,7 @@ def http_connection_manager(m: MeshListener, route_source: dict) -> dict:
         "codec_type": "AUTO",
         "stream_idle_timeout": "120s",
         "local_reply_config": LOCAL_REPLY_CONFIG,
+        **({"access_log": access_log(m.access_log_path)} if m.access_log_path else {}),
         **({"early_header_mutation_extensions": STRIP_CLIENT_HEADERS} if uses_native_rules(m) else {}),
         **route_source,
         "http_filters": [
@@ -933,6 +941,56 @@ def http_connection_manager(m: MeshListener, route_source: dict) -> dict:
             {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
+
+
+# One JSON object per request (docs/observability.md says what each field is). Envoy's json_format
+# keeps a lone operator's type (numbers stay numbers) and writes null for a header that is absent.
+# Class, rule and pool are the request headers the filter (or a native route) wrote for the
+# upstream; served-by, model and degraded are the sidecar's public response headers.
+ACCESS_LOG_FORMAT = {
+    "start_time": "%START_TIME(%Y-%m-%dT%H:%M:%E3SZ)%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+    "traceparent": "%REQ(TRACEPARENT)%",
+    "method": "%REQ(:METHOD)%",
+    "path": "%REQ(X-ENVOY-ORIGINAL-PATH?:PATH)%",
+    "protocol": "%PROTOCOL%",
+    "status": "%RESPONSE_CODE%",
+    "grpc_status": "%GRPC_STATUS_NUMBER%",
+    "response_flags": "%RESPONSE_FLAGS%",
+    "details": "%RESPONSE_CODE_DETAILS%",
+    "duration_ms": "%DURATION%",
+    # Request start to the upstream's first response byte. A sidecar sends its headers with the
+    # first token, so for a stream this is the time to first token at the edge (filter, queue,
+    # prefill); for a response that does not stream it is the whole generation.
+    "first_byte_ms": "%RESPONSE_DURATION%",
+    "bytes_received": "%BYTES_RECEIVED%",
+    "bytes_sent": "%BYTES_SENT%",
+    "content_type": "%RESP(CONTENT-TYPE)%",
+    "route": "%ROUTE_NAME%",
+    "upstream_cluster": "%UPSTREAM_CLUSTER%",
+    "upstream_host": "%UPSTREAM_HOST%",
+    # More than 1: a retry or a hedge (the route's retry policy) took a second attempt.
+    "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+    "class": "%REQ(X-INFERMESH-CLASS)%",
+    "rule": "%REQ(X-INFERMESH-RULE)%",
+    "pool": "%REQ(X-INFERMESH-POOL)%",
+    "served_by": "%RESP(X-INFERMESH-SERVED-BY)%",
+    "model": "%RESP(X-INFERMESH-MODEL)%",
+    "degraded": "%RESP(X-INFERMESH-DEGRADED)%",
+    "degraded_reason": "%RESP(X-INFERMESH-DEGRADED-REASON)%",
+    "shed_by": "%RESP(X-INFERMESH-SHED-BY)%",
+}
+
+
+def access_log(path: str) -> list[dict]:
+    """The HCM's JSON access log (`ACCESS_LOG_FORMAT`) to `path`."""
+    # The typed config must be known to protobuf's descriptor pool before the control plane's
+    # snapshot (xds_snapshot.py) packs the listener into an Any.
+    from envoy.extensions.access_loggers.file.v3 import file_pb2  # noqa: F401
+
+    return [{"name": "envoy.access_loggers.file", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+        "path": path, "log_format": {"json_format": ACCESS_LOG_FORMAT}}}]
 
 
 def listener(m: MeshListener, hcm: dict) -> dict:
