@@ -307,3 +307,40 @@ class PoolSettings(Strict):
     standby: bool = True
     """Load the next model of the ladder at start, so degrading is a switch, not a cold start."""
     monitor: MonitorSettings = MonitorSettings()
+
+
+# ---- tracing --------------------------------------------------------------------------------
+
+OTLP_ENDPOINT = r"^(?:[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}$"
+"""`host:port` (an IPv6 address in brackets) of an OTLP/gRPC receiver."""
+
+
+class TracingSettings(Strict):
+    """OpenTelemetry traces of the mesh's requests (docs/tracing.md): Envoy's span, the sidecar's
+    span with its queue, prefill and decode, and vLLM's own, one trace per request, exported over
+    OTLP/gRPC. Off (no endpoint) by default: then nothing is traced and nothing is paid."""
+
+    otlp_endpoint: Annotated[str, Field(pattern=OTLP_ENDPOINT, max_length=300)] | None = None
+    """Where spans go: `host:port` of an OTLP/gRPC receiver (an OpenTelemetry Collector); unset: tracing off."""
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    """Share of the requests that start a trace here (a client's `traceparent` decides for its own
+    requests: sampled or not, its decision is followed)."""
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _port(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None and not 0 < int(endpoint.rsplit(":", 1)[1]) <= 65535:
+            raise ValueError(f"{endpoint!r}: the port must be 1-65535")
+        return endpoint
+
+    @property
+    def on(self) -> bool:
+        return self.otlp_endpoint is not None
+
+    @property
+    def otlp_port(self) -> int:
+        return int(self.otlp_endpoint.rsplit(":", 1)[1])
+
+    @property
+    def otlp_host(self) -> str:
+        return self.otlp_endpoint.rsplit(":", 1)[0].strip("[]")

@@ -18,7 +18,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from infermesh.settings import (GRPC_PORT, HTTP_PORT, NAME, BreakerConfig, ClassSettings, ModelSettings, MonitorSettings, PoolSettings,
-                                ServingSettings, Strict, check_ladder)
+                                ServingSettings, Strict, TracingSettings, check_ladder)
 
 # The settings the mesh policy can set are defined once, in infermesh/settings.py; the names
 # below are the sidecar's (engine.py and the fronts use them).
@@ -95,6 +95,8 @@ class SidecarConfig(PoolSettings):
     """Every pool of the mesh policy (generated from it): the names a spilled-in request's
     `x-infermesh-pool` is counted under in the metrics; any other name is counted as `other`."""
     admin: AdminConfig = AdminConfig()
+    tracing: TracingSettings = TracingSettings()
+    """OpenTelemetry traces of this sidecar's requests (the policy's `tracing`; docs/tracing.md)."""
 
     @model_validator(mode="after")
     def _default_class_known(self) -> "SidecarConfig":

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+from . import tracing
 from .config import ConfigError, ModelConfig
 from .errors import BadRequest, EngineFailed, UnknownModel
 from .monitors import EngineStats
@@ -93,6 +94,8 @@ class ModelEngine:
             dtype=m.dtype,
             enforce_eager=True,
             disable_log_stats=True,
+            # vLLM's own span of each request, a child of the sidecar's (sidecar/tracing.py); None: off.
+            otlp_traces_endpoint=tracing.vllm_endpoint(),
             scheduling_policy="priority" if self.priority_scheduling else "fcfs",
             generation_config=m.generation_config,
             # Also where vLLM's structured outputs learn where the reasoning ends (as `vllm serve`).
@@ -206,15 +209,17 @@ class ModelEngine:
         return TokensPrompt(prompt_token_ids=prompt_ids)
 
     async def generate(self, req: GenerationRequest, prompt_ids: list[int], params, priority: int,
-                       pause_s: Callable[[], float]) -> AsyncIterator[TokenDelta | Completion]:
-        """vLLM's outputs as TokenDeltas, then one Completion when vLLM finished the request.
+                       pause_s: Callable[[], float], trace_headers: dict[str, str] | None = None) -> AsyncIterator[TokenDelta | Completion]:
+        """vLLM's outputs as TokenDeltas, then one Completion when vLLM finished the request
+        (`trace_headers`: the request's trace context, while tracing is on, sidecar/tracing.py).
 
         After a step that produced tokens it waits `pause_s()` seconds (coalescing, see
         RequestLifecycle). A vLLM failure is raised as EngineFailed (vLLM has dropped the request)."""
         completion_tokens = 0
         finish: dict[int, str] = {}
         try:
-            async for out in self.engine.generate(self._vllm_prompt(prompt_ids), params, req.request_id, priority=priority):
+            async for out in self.engine.generate(self._vllm_prompt(prompt_ids), params, req.request_id, priority=priority,
+                                                  trace_headers=trace_headers):
                 produced = False
                 for o in out.outputs:
                     completion_tokens += len(o.token_ids)

@@ -210,7 +210,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _abort(context, e)
             return
         try:
-            async for message in self._generate(req, context, served_by):
+            async for message in self._generate(req, context, served_by, md):
                 yield message
         except SidecarError as e:
             await _abort(context, e)
@@ -220,8 +220,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             err = internal_errors.report(self.pool.metrics.registry, Front.GRPC.value, "generate", e)
             await context.abort(grpc.StatusCode.INTERNAL, err.message)
 
-    async def _generate(self, req: GenerationRequest, context: grpc.aio.ServicerContext, served_by: str):
-        async with RequestLifecycle(self.pool, req, Front.GRPC, "generate") as life:
+    async def _generate(self, req: GenerationRequest, context: grpc.aio.ServicerContext, served_by: str, md: dict[str, str]):
+        async with RequestLifecycle(self.pool, req, Front.GRPC, "generate", md) as life:
             rid = life.request_id
             first = True
             async for ev in life.events():

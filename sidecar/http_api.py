@@ -413,7 +413,7 @@ class HttpFront:
         model = getattr(req, "model", None)
         ticket = GenerationRequest(model=model if isinstance(model, str) else None, n=n, request_class=request_class)
         ticket.ttft_give_up_s = ttft_give_up_s(request.headers.get(TTFT_GIVE_UP_HEADER))
-        life = RequestLifecycle(pool, ticket, Front.HTTP, api.name)
+        life = RequestLifecycle(pool, ticket, Front.HTTP, api.name, request.headers)
         try:
             life.admit()
         except UnknownModel as e:

@@ -47,10 +47,11 @@ import enum
 import math
 
 import grpc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
+from . import tracing
 from .admission import ADMIT_SHARE, Admission, TargetUnreachable
 from .errors import DeadlineExceeded, EngineFailed, SidecarError
 from .requests import Completion, GenerationRequest, TokenDelta
@@ -161,8 +162,12 @@ async def _first(stream: AsyncIterator[T]) -> T | None:
 
 
 class RequestLifecycle:
-    def __init__(self, pool: "Pool", req: GenerationRequest, front: Front, api: str):
+    def __init__(self, pool: "Pool", req: GenerationRequest, front: Front, api: str, headers: Mapping[str, str] | None = None):
+        """`headers`: the request's HTTP headers or gRPC metadata (its `traceparent`, read only while tracing is on)."""
         self.pool, self.req, self.front, self.api = pool, req, front, api
+        tracer = tracing.active()
+        self.trace = tracer.begin(headers, front.value, api, pool.clock()) if tracer is not None else None
+        """The request's span (sidecar/tracing.py); None while tracing is off."""
         self.label_class = req.request_class
         """The class as the client sent it: the metrics' label (admission may map it to the default)."""
         self.admission: Admission | None = None
@@ -207,6 +212,8 @@ class RequestLifecycle:
             except SidecarError as e:
                 self._closed = True
                 refuse(self.pool, self.front, self.api, self.label_class, e)
+                if self.trace is not None:
+                    self.trace.end(self, self.front.status(e), "shed" if (e.code or "").startswith("pool_") else "refused", e)
                 raise
             self._admitted_at = self.pool.clock()
             self.pool.load.on_admitted()
@@ -224,6 +231,12 @@ class RequestLifecycle:
     async def __aexit__(self, exc_type, exc, tb) -> bool:
         await self.close(exc)
         return False
+
+    # The request's times on the pool's clock (0 / None: not yet), as its trace writes them.
+    admitted_at = property(lambda self: self._admitted_at)
+    submitted_at = property(lambda self: self._submitted_at)
+    first_token_at = property(lambda self: self._first_token_at)
+    last_token_at = property(lambda self: self._last_token_at)
 
     @property
     def first_token_seen(self) -> bool:
@@ -345,6 +358,8 @@ class RequestLifecycle:
         adm = self.admit()
         pool = self.pool
         kwargs["priority"] = pool.config.classes[adm.request_class].vllm_priority or 0
+        if self.trace is not None:  # vLLM's span joins this request's trace (sampled or not, as it is)
+            kwargs["trace_headers"] = self.trace.trace_headers
         # A non-streamed request under a TTFT give-up limit must show its first token when it
         # comes (the front gives up only without one): vLLM's cumulative outputs, of which only
         # the final one, with every choice (as FINAL_ONLY gathers them), goes on to vLLM's layer.
@@ -415,7 +430,7 @@ class RequestLifecycle:
         self.prompt_tokens = len(ids)
         priority = pool.config.classes[adm.request_class].vllm_priority or 0
         await self._slot_in_time()
-        gen = engine.generate(self.req, ids, params, priority, self._pause_s)
+        gen = engine.generate(self.req, ids, params, priority, self._pause_s, self.trace.trace_headers if self.trace is not None else None)
         try:
             ev = await self.first_in_time(gen)
             if ev is not None:
@@ -566,7 +581,9 @@ class RequestLifecycle:
         finally:
             if self.admission is not None:
                 rid = self.admission.request_id
-                self._record(error, status)
+                status = self._record(error, status)
+                if self.trace is not None:
+                    self.trace.end(self, status, self._outcome(error, status), error)
                 if self.admission.waiter is not None:  # ran: vLLM served it, its time in the slot is a measurement
                     ran = self._submitted and (self.completion is not None or self._outputs_done)
                     self.pool.admission.slots[self.admission.engine.config.name].finish(self.admission.waiter, ran)
@@ -582,7 +599,20 @@ class RequestLifecycle:
                     engine = self.admission.engine
                     await asyncio.shield(asyncio.ensure_future(engine.abort(left[0] if len(left) == 1 else left)))
 
-    def _record(self, error: BaseException | None, status: str | None = None) -> None:
+    def _outcome(self, error: BaseException | None, status: str) -> str:
+        """The request's outcome as its trace names it."""
+        if self._cut:
+            return "cut"
+        if isinstance(error, QueueRefusal) or self.refusal is not None or status in ("429", "RESOURCE_EXHAUSTED"):
+            return "refused"
+        if isinstance(error, DeadlineExceeded):
+            return "gave_up"
+        if status == self.front.ok:
+            return "degraded" if self.admission.degraded else "ok"
+        return "gone" if status == self.front.gone else "error"
+
+    def _record(self, error: BaseException | None, status: str | None = None) -> str:
+        """Count the request's outcome; its status, as counted."""
         m = self.pool.metrics
         if status is None and isinstance(error, SidecarError):
             status = self.front.status(error)
@@ -599,3 +629,4 @@ class RequestLifecycle:
             model = self.admission.engine.config.name
             m.prompt_tokens.labels(model).inc(self.prompt_tokens)
             m.completion_tokens.labels(model).inc(self.completion_tokens)
+        return status

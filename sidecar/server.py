@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from infermesh.logs import setup_logging
 from infermesh.settings import GRPC_PORT, HTTP_PORT
 
+from . import tracing
 from .config import ConfigError, SidecarConfig, load_config
 from .grpc_api import BELOW_LEVEL_SERVICES, FULL_SERVICE, INFERENCE_SERVICE, below_level_service, start_admin_grpc, start_grpc
 from .admin_api import build_admin_app
@@ -48,6 +49,9 @@ class _Uvicorn(uvicorn.Server):
 
 async def run(config: SidecarConfig) -> int:
     setup_logging({"pool": config.pool, "instance_id": config.instance})
+    # Before the engines: vLLM's own tracing joins with the same endpoint (sidecar/tracing.py).
+    if tracing.start(config) is not None:
+        log.info("tracing", extra={"otlp_endpoint": config.tracing.otlp_endpoint, "sample_ratio": config.tracing.sample_ratio})
     metrics = SidecarMetrics.of(config)
     pool = Pool(config, metrics=metrics)
     log.info("loading models", extra={"ladder": [m.name for m in config.models], "standby": config.standby})
@@ -149,6 +153,7 @@ async def run(config: SidecarConfig) -> int:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(asyncio.gather(http_task, admin_task), timeout=5)
     pool.shutdown()
+    tracing.stop()  # the spans still batched are exported
     log.info("stopped", extra={"left_in_flight": pool.inflight})
     return 0
 

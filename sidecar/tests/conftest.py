@@ -58,9 +58,12 @@ class FakeAsyncLLM:
         self.unfinished: set[str] = set()
         self.aborted: list[str] = []
         self.priorities: list[int] = []
+        self.trace_headers: list[dict | None] = []
+        """The `trace_headers` of each generate call (sidecar/tracing.py)."""
 
-    async def generate(self, prompt, params: dict, request_id: str, priority: int = 0):
+    async def generate(self, prompt, params: dict, request_id: str, priority: int = 0, trace_headers: dict | None = None):
         self.priorities.append(priority)
+        self.trace_headers.append(trace_headers)
         self.unfinished.add(request_id)
         for step, word in enumerate(self.reply):
             if self.fail_after is not None and step >= self.fail_after:
@@ -154,6 +157,7 @@ class FakeVllmAsyncLLM(FakeAsyncLLM):
             if asked is not None and asked > limit:
                 raise ValueError(f"Requested {asked} logprobs, which is more than the maximum {limit}")
         self.priorities.append(priority)
+        self.trace_headers.append(kwargs.get("trace_headers"))
         self.requests.append((request_id, params, priority))
         self.unfinished.add(request_id)
         tok = self.renderer.tokenizer
