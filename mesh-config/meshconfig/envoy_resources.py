@@ -37,7 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from infermesh.settings import TracingSettings
+
 from .policy import ClassSpec, Match, Policy, Rule
+from .tracing import collector_cluster, hcm_tracing
 
 POOL_HEADER = "x-infermesh-pool"
 CLASS_HEADER = "x-infermesh-class"
@@ -193,6 +196,8 @@ class MeshListener:
     """Where Envoy writes its JSON access log (`access_log`), a file or /dev/stdout; None: no
     access log. Default: `$INFERMESH_ENVOY_ACCESS_LOG`, which the local mesh's launcher sets for
     the control plane's process (it builds a MeshListener per policy and has no flag for it)."""
+    tracing: TracingSettings = field(default_factory=TracingSettings)
+    """OpenTelemetry tracing of the listener's requests (tracing.py; off by default)."""
 
     def __post_init__(self) -> None:
         if self.filter_runtime not in FILTER_RUNTIMES:
@@ -858,8 +863,9 @@ def cluster(m: MeshListener, p: PoolEndpoint, grpc: bool, *, eds: bool, limits: 
 def state_clusters(m: MeshListener, *, eds: bool) -> list[dict]:
     """The filter's probe clusters (`pool_NAME_state`, named by its `degraded_routing`): the
     pool's own HTTP endpoints, no failover and no health check, so a probe reaches the pool
-    while its hosts are out of rotation. Over EDS with the endpoints of `state_load_assignment`."""
-    out = []
+    while its hosts are out of rotation. Over EDS with the endpoints of `state_load_assignment`.
+    With tracing on, also the trace collector's cluster (tracing.py), which both assemblies carry with these."""
+    out = [collector_cluster(m.tracing)] if m.tracing.on else []
     for pool in state_cluster_pools(m):
         c: dict = {"name": state_cluster_name(pool), "connect_timeout": POOL_LIMITS.connect_timeout}
         if eds:
@@ -934,6 +940,7 @@ def http_connection_manager(m: MeshListener, route_source: dict) -> dict:
         "stream_idle_timeout": "120s",
         "local_reply_config": LOCAL_REPLY_CONFIG,
         **({"access_log": access_log(m.access_log_path)} if m.access_log_path else {}),
+        **({"tracing": hcm_tracing(m.tracing)} if m.tracing.on else {}),
         **({"early_header_mutation_extensions": STRIP_CLIENT_HEADERS} if uses_native_rules(m) else {}),
         **route_source,
         "http_filters": [

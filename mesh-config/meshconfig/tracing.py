@@ -10,6 +10,9 @@ the request headers it wrote (class, rule, pool). Spans go over OTLP/gRPC to COL
 
     hcm["tracing"] = hcm_tracing(settings)          # None: tracing off, no block at all
     clusters.append(collector_cluster(settings))
+
+envoy_resources.py puts them in where MeshListener.tracing is on: the HCM of both assemblies
+(the static bootstrap, the control plane's snapshot) and the cluster beside the state clusters.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ def hcm_tracing(settings: TracingSettings) -> dict | None:
     """The HCM's `tracing` field (None: tracing off)."""
     if not settings.on:
         return None
+    # The typed config must be known to protobuf's descriptor pool before the control plane's
+    # snapshot (xds_snapshot.py) packs the listener into an Any.
+    from envoy.config.trace.v3 import opentelemetry_pb2  # noqa: F401
+
     return {
         "provider": {
             "name": "envoy.tracers.opentelemetry",
@@ -71,17 +78,3 @@ def collector_cluster(settings: TracingSettings) -> dict | None:
             {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}]},
     }
 
-
-def with_tracing(bootstrap: dict, settings: TracingSettings) -> dict:
-    """A static bootstrap (envoy_bootstrap.bootstrap) with tracing on its listeners' HCMs and the
-    collector's cluster; unchanged when tracing is off."""
-    if not settings.on:
-        return bootstrap
-    static = bootstrap["static_resources"]
-    for lst in static["listeners"]:
-        for chain in lst["filter_chains"]:
-            for f in chain["filters"]:
-                if f["name"] == "envoy.filters.network.http_connection_manager":
-                    f["typed_config"]["tracing"] = hcm_tracing(settings)
-    static["clusters"].append(collector_cluster(settings))
-    return bootstrap

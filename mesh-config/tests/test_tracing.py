@@ -4,13 +4,17 @@ decision as tags, and the real Envoy binary accepts them (`--mode validate`)."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 from pathlib import Path
 
+from google.protobuf import json_format
+
 from infermesh.meshconfig.envoy_bootstrap import bootstrap
+from infermesh.meshconfig.envoy_resources import http_connection_manager, listener, rds_routes, state_clusters
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
-from infermesh.meshconfig.tracing import COLLECTOR_CLUSTER, collector_cluster, hcm_tracing, with_tracing
+from infermesh.meshconfig.tracing import COLLECTOR_CLUSTER, collector_cluster, hcm_tracing
+from infermesh.meshconfig.xds_snapshot import build_snapshot
 from infermesh.settings import TracingSettings
 
 ON = TracingSettings(otlp_endpoint="127.0.0.1:4317", sample_ratio=0.25)
@@ -20,7 +24,7 @@ def test_off_by_default_adds_nothing():
     off = TracingSettings()
     assert hcm_tracing(off) is None and collector_cluster(off) is None
     b = bootstrap(LocalMeshPlan().listener(Path("/x.wasm")))
-    assert with_tracing(copy.deepcopy(b), off) == b
+    assert "tracing" not in json.dumps(b) and COLLECTOR_CLUSTER not in json.dumps(b)
 
 
 def test_on_the_hcm_traces_to_the_collector_cluster_with_the_settings_sampling():
@@ -50,8 +54,29 @@ def test_envoy_accepts_the_tracing_block_and_the_cluster(envoy_accepts):
     envoy_accepts(hcm, [collector_cluster(ON)])
 
 
-def test_a_static_bootstrap_with_tracing():
-    b = with_tracing(bootstrap(LocalMeshPlan().listener(Path("/x.wasm"))), ON)
+def test_the_listener_with_tracing_on_carries_both_in_the_bootstrap_and_the_snapshot():
+    m = dataclasses.replace(LocalMeshPlan().listener(Path("/x.wasm")), tracing=ON)
+    b = bootstrap(m)
     hcm = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     assert hcm["tracing"] == hcm_tracing(ON)
-    assert b["static_resources"]["clusters"][-1] == collector_cluster(ON)
+    assert collector_cluster(ON) in b["static_resources"]["clusters"]
+    # The control plane packs them into its protobuf snapshot (every typed config known).
+    from envoy.config.cluster.v3 import cluster_pb2
+    from envoy.config.listener.v3 import listener_pb2
+    from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+
+    packed = json_format.ParseDict(listener(m, http_connection_manager(m, rds_routes())), listener_pb2.Listener())
+    proto = http_connection_manager_pb2.HttpConnectionManager()
+    packed.filter_chains[0].filters[0].typed_config.Unpack(proto)
+    assert proto.tracing.provider.name == "envoy.tracers.opentelemetry" and proto.tracing.random_sampling.value == 25.0
+    assert [c["name"] for c in state_clusters(m, eds=True)][0] == COLLECTOR_CLUSTER
+    json_format.ParseDict(collector_cluster(ON), cluster_pb2.Cluster())
+
+
+def test_the_control_plane_serves_no_tracing_while_the_policy_has_none():
+    from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy
+    from infermesh.meshconfig.xds_snapshot import MeshTarget
+
+    target = MeshTarget("127.0.0.1", 8080, Path("/x.wasm"), {"interactive": ("127.0.0.1", 8101, 8201), "batch": ("127.0.0.1", 8102, 8202)})
+    snap = build_snapshot(load_policy(LOCAL_POLICY), target)
+    assert "opentelemetry" not in str(snap.resources)
