@@ -529,7 +529,7 @@ class Policy(Strict):
                     raise FieldError(f"rules.{i}.match.content", "a `content` condition needs a `content_model`")
                 if content.label not in self.content_model.labels:
                     raise FieldError(f"rules.{i}.match.content.label",
-                                     f"unknown label `{content.label}` (the content model's labels: {', '.join(self.content_model.labels)})")
+                                     f"unknown label `{content.label}` (the model's labels: {', '.join(self.content_model.labels)})")
             if limit < REGEX_SIZE_LIMIT:
                 for sub, pattern in r.match.regexes():
                     if why := regex_error(pattern, limit):

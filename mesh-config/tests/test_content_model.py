@@ -262,7 +262,7 @@ def test_content_errors_name_file_line_and_field():
     assert refusal(text) == (line_of(text, "content:"), "rules.0.match.content", "a `content` condition needs a `content_model`")
     text = policy(model_entry=model(labels=("support", "chat")).to_obj())
     assert refusal(text) == (line_of(text, "label: code"), "rules.0.match.content.label",
-                             "unknown label `code` (the content model's labels: support, chat)")
+                             "unknown label `code` (the model's labels: support, chat)")
     text = policy(model_entry=good_obj(word_ngrams=3))
     line, field, msg = refusal(text)
     assert (line, field, msg) == (line_of(text, "word_ngrams"), "content_model.word_ngrams", "must be between 1 and 2")
