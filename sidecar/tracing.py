@@ -20,6 +20,7 @@ cost is a None check per request. The SDK is imported by `start` only.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ opentelemetry-semantic-conventions (0.66b2) carries them."""
 SEMCONV_SCHEMA = f"https://opentelemetry.io/schemas/{SEMCONV_VERSION}"
 
 SERVICE_NAME = "infermesh-sidecar"
+VLLM_SERVICE_NAME = "vllm"
 
 OPERATION = {"chat": "chat", "completions": "text_completion", "messages": "chat", "responses": "chat"}
 """gen_ai.operation.name of each API (the gRPC front's `generate`: `chat` with messages, else `text_completion`)."""
@@ -65,6 +67,9 @@ def start(config: "SidecarConfig", exporter: Any = None) -> "SidecarTracer | Non
     reads `vllm_endpoint`). `exporter`: a span exporter instead of OTLP (unit tests)."""
     global _active
     stop()
+    if config.tracing.on:
+        # vLLM's tracer names no service; its resource takes this one (the sidecar's names its own).
+        os.environ.setdefault("OTEL_SERVICE_NAME", VLLM_SERVICE_NAME)
     if config.tracing.on or exporter is not None:
         _active = SidecarTracer(config, exporter)
     return _active
