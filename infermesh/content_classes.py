@@ -266,11 +266,13 @@ def write_into_policy(policy_path: str | Path, model: cm.ContentModel) -> Path:
     text = p.read_text()
     import yaml
 
-    current = (yaml.safe_load(text) or {}).get("content_model")
+    data = yaml.safe_load(text) or {}
+    current = data.get("content_model") if isinstance(data, dict) else None
     if isinstance(current, dict) and set(current) == {"file"} and isinstance(current["file"], str):
+        # The policy as it will read with the new model, checked before the file is written.
+        parse_policy(yaml.safe_dump(data | {"content_model": model.to_obj()}), str(p))
         target = p.parent / current["file"]
         _atomic_write(target, model.to_json() + "\n")
-        parse_policy(text, str(p))
         return target
     lines = text.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if re.match(r"content_model\s*:", line)), None)
@@ -358,8 +360,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .content_bench import run
+    from .content_bench import run, write_examples
 
+    if args.write_examples:
+        _say(f"wrote {write_examples(args.write_examples, args.code_vs_chat)} examples to {args.write_examples}")
+        return 0
     return run(quick=args.quick, seed=args.seed, json_out=args.json)
 
 
@@ -393,6 +398,8 @@ def register(subparsers) -> None:
     bench_p.add_argument("--quick", action="store_true", help="one split, the default features only")
     bench_p.add_argument("--seed", type=int, default=0)
     bench_p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
+    bench_p.add_argument("--write-examples", metavar="FILE.jsonl", help="only write the corpus as examples for `classes train`")
+    bench_p.add_argument("--code-vs-chat", action="store_true", help="with --write-examples: two labels, code (coding) and chat (the rest)")
     bench_p.set_defaults(func=cmd_bench)
 
 

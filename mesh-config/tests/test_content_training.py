@@ -151,6 +151,15 @@ def test_a_model_that_breaks_the_policy_is_not_written(tmp_path):
     with pytest.raises(PolicyError, match="unknown label `code`"):
         write_into_policy(p, t.model)
     assert p.read_text() == POLICY
+    # Nor the model file a policy names.
+    named = POLICY + "content_model: {file: code.json}\n"
+    p.write_text(named)
+    cm.save_model(train(examples(), SPEC, holdout=0).model, tmp_path / "code.json")
+    before = (tmp_path / "code.json").read_text()
+    with pytest.raises(PolicyError, match="unknown label `code`"):
+        write_into_policy(p, t.model)
+    assert (tmp_path / "code.json").read_text() == before and p.read_text() == named
+    p.write_text(POLICY)
     # An inline model past the policy's size bound: refused, with where to put it instead.
     big = cm.ContentModel(("chat", "code"), 131072, 2, (3, 4), 4096, 1.0, (0.0, 0.0), np.zeros((131072, 2), np.int8))
     with pytest.raises(ExamplesError, match="write it to a file"):
