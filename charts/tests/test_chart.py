@@ -1,10 +1,10 @@
 """The Helm chart: it lints, renders objects that the real Kubernetes / Istio / Prometheus
-Operator schemas accept (strictly), matches its golden files, and renders for a policy exactly
-what mesh-config's Istio generator produces for it (both lay out the policy model's parts,
-istio_parts.py, which the chart reads from the `generated` values the CLI writes and from
-files/istio-decisions.json; docs/istio.md). Its routes
-decide every request of a matrix as the plain-Envoy routes do. Typos in values and broken objects
-are rejected by name.
+Operator schemas accept (strictly), matches its golden files, and is the one layout of the Istio
+objects: its templates take every decision from the policy model (istio_parts.py, through the
+`generated` values the CLI writes and files/istio-decisions.json), no Python module lays one
+out, and `infermesh policy render POLICY istio` (istio.py) prints the chart's own objects for
+the same values (docs/istio.md). Its routes decide every request of a matrix as the plain-Envoy
+routes do. Typos in values and broken objects are rejected by name.
 
 Golden files: charts/tests/golden/SCENARIO.yaml. After an intended change, regenerate them with
     INFERMESH_UPDATE_GOLDEN=1 ~/.cache/infermesh/venv/bin/python -m pytest charts/tests -k golden
@@ -13,6 +13,7 @@ and review the diff.
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import hashlib
@@ -66,8 +67,8 @@ def scenario_files(name: str) -> list[Path]:
 
 
 SCENARIOS = {name: scenario_files(name) for name in SCENARIO_INPUTS}
-# Labels only the chart sets (Helm bookkeeping); everything else must equal istio.py's objects.
-CHART_ONLY_LABELS = {"app.kubernetes.io/version", "app.kubernetes.io/managed-by", "helm.sh/chart"}
+# Helm's bookkeeping labels, which istio.resources leaves out (its objects are applied without Helm).
+CHART_ONLY_LABELS = set(istio.HELM_LABELS)
 
 
 def merged_values(files: list[Path]) -> dict:
@@ -94,8 +95,9 @@ def istio_options(values: dict) -> istio.IstioOptions:
     return istio.IstioOptions(
         wasm_url=f["url"], wasm_sha256=f["sha256"], name=RELEASE, namespace=NAMESPACE, cluster_domain=values["clusterDomain"],
         http_port=values["ports"]["http"], grpc_port=values["ports"]["grpc"], fail_strategy=f["failStrategy"],
-        filter_namespace=f["namespace"], filter_selector=f["selector"] or dict(istio.ISTIO_DECISIONS.default_selector), attach_to=f["attachTo"],
-        gateways=(f"{NAMESPACE}/{RELEASE}",) if ingress["enabled"] else (), hosts=tuple(ingress["hosts"]),
+        filter_namespace=f["namespace"], filter_selector=f["selector"], attach_to=f["attachTo"],
+        ingress=ingress["enabled"], hosts=tuple(ingress["hosts"]), ingress_port=ingress["port"], ingress_selector=ingress["selector"],
+        tls_credential_name=ingress["tlsCredentialName"],
         image_pull_policy=f["imagePullPolicy"], image_pull_secret=f["imagePullSecret"], traffic_policy=values["trafficPolicy"],
         retry_budget=values["retryBudget"],
     )
@@ -141,20 +143,23 @@ def _comparable(obj: dict) -> dict:
     return obj
 
 
-def test_the_chart_renders_what_the_istio_generator_produces(scenario):
-    """Routes, pools and the filter: the chart and istio.py agree object for object (the filter's
-    JSON config byte for byte: both carry the model's string)."""
+def test_policy_render_istio_gives_the_charts_own_objects(scenario, helm):
+    """`infermesh policy render POLICY istio` (istio.resources) is the chart rendered with the
+    values its options map to: for each scenario's values, the same Istio objects as the chart's
+    whole render, object for object, but Helm's labels."""
     _, _, values, rendered = scenario
     policy = scenario_policy(values)
-    _assert_chart_objects_equal_istio_py(rendered.objects, istio.resources(policy, istio_options(values)))
+    objects = istio.resources(policy, istio_options(values), raw_policy=values["policy"] or None, helm=helm.binary)
+    assert not {label for o in objects for label in o["metadata"]["labels"]} & CHART_ONLY_LABELS
+    _assert_same_istio_objects(rendered.objects, objects)
     # The pools are the policy's, nothing more or less.
     assert {d["metadata"]["labels"]["infermesh.io/pool"] for d in rendered.of("Deployment")} == set(policy.pools)
 
 
-def _assert_chart_objects_equal_istio_py(objects: list[dict], expected: list[dict]) -> None:
+def _assert_same_istio_objects(objects: list[dict], expected: list[dict]) -> None:
     expected = [_comparable(o) for o in expected]
     kinds = {o["kind"] for o in expected}
-    # Of the kinds the chart has more of (Services, the pools' AuthorizationPolicy), istio.py's names.
+    # Of the kinds the whole chart has more of (Services, the pools' AuthorizationPolicy), those `expected` names.
     partial = {"Service", "AuthorizationPolicy"}
     named = {(o["kind"], o["metadata"]["name"]) for o in expected if o["kind"] in partial}
     got = [_comparable(o) for o in objects
@@ -166,7 +171,7 @@ def _assert_chart_objects_equal_istio_py(objects: list[dict], expected: list[dic
 def test_the_same_generated_values_serve_any_release_namespace_and_ports(helm):
     """The model's parts hold no release, namespace or port: rendered as another release, in
     another namespace, on other ports (and a module on the proxies' disk, file://), the chart
-    still equals istio.py for those options."""
+    renders them, and istio.resources gives the same objects for those options."""
     files = SCENARIOS["native-header-only"]
     r = helm.run("template", "llm", str(CHART), "--namespace", "prod", "--kube-version", helm.kube_version,
                  *[a for f in files for a in ("--values", str(f))], "--set", "ports.http=9000", "--set", "ports.grpc=9001",
@@ -175,8 +180,9 @@ def test_the_same_generated_values_serve_any_release_namespace_and_ports(helm):
     values = merged_values(files)
     values["ports"] |= {"http": 9000, "grpc": 9001}
     values["filter"]["url"] = "file:///var/lib/infermesh/filter.wasm"
-    opts = dataclasses.replace(istio_options(values), name="llm-infermesh", namespace="prod", gateways=("prod/llm-infermesh",))
-    _assert_chart_objects_equal_istio_py([o for o in yaml.safe_load_all(r.stdout) if o], istio.resources(scenario_policy(values), opts))
+    opts = dataclasses.replace(istio_options(values), name="llm", namespace="prod")
+    _assert_same_istio_objects([o for o in yaml.safe_load_all(r.stdout) if o],
+                                         istio.resources(scenario_policy(values), opts, raw_policy=values["policy"], helm=helm.binary))
 
 
 def test_the_configmap_carries_the_policy_itself(scenario):
@@ -189,7 +195,7 @@ def test_each_deployment_runs_its_pool_as_the_sidecar_reads_the_command_line(sce
     _, _, values, rendered = scenario
     policy = scenario_policy(values)
     policy_file = tmp_path / "policy.yaml"
-    policy_file.write_text(rendered.one("ConfigMap")["data"]["policy.yaml"])
+    policy_file.write_text(rendered.one("ConfigMap", f"{RELEASE}-policy")["data"]["policy.yaml"])
     drain = values["drain"]
     for d in rendered.of("Deployment"):
         pool = d["metadata"]["labels"]["infermesh.io/pool"]
@@ -346,7 +352,7 @@ def test_bundled_policy_and_its_generated_values_are_the_repositorys():
 
 
 def test_the_istio_decisions_file_is_the_models():
-    """files/istio-decisions.json is istio_parts.ISTIO_DECISIONS, which istio.py uses directly."""
+    """files/istio-decisions.json is istio_parts.ISTIO_DECISIONS."""
     bundled = CHART / "files" / "istio-decisions.json"
     if os.environ.get("INFERMESH_UPDATE_GOLDEN"):
         bundled.write_text(istio_parts.decisions_file())
@@ -366,6 +372,19 @@ def test_the_templates_take_every_istio_decision_from_the_model():
         text = re.sub(r"\{\{-? */\*.*?\*/ *-?\}\}", "", template.read_text(), flags=re.S)  # (not their comments)
         text = re.sub(r"(?m)^ *#.*$", "", text)
         assert not [x for x in DECISION_LITERALS if re.search(x, text)], template.name
+
+
+# Istio's API groups: an object of one built in Python would be a second layout of a template's.
+ISTIO_API_GROUP = re.compile(r"\b(networking|security|extensions)\.istio\.io/")
+
+
+def test_no_python_module_lays_out_an_istio_object():
+    """The chart's templates are the one layout of the Istio objects (docs/istio.md): no module of
+    the policy model and its generators (mesh-config/meshconfig) names an Istio API group, an
+    apiVersion or a kind; istio.py renders the chart."""
+    for path in sorted((REPO / "mesh-config" / "meshconfig").glob("*.py")):
+        strings = [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        assert not [x for x in strings if ISTIO_API_GROUP.search(x) or x in ("apiVersion", "kind")], path.name
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -488,7 +507,7 @@ def test_policy_render_helm_values_gives_a_values_file_for_any_policy(helm, tmp_
     values.write_text(capsys.readouterr().out)
     assert json.loads(values.read_text()) == json.loads(policy_values(production).read_text())
     rendered = helm.template([PIN, values])
-    assert parse_policy(rendered.one("ConfigMap")["data"]["policy.yaml"]) == load_policy(production)
+    assert parse_policy(rendered.one("ConfigMap", f"{RELEASE}-policy")["data"]["policy.yaml"]) == load_policy(production)
     assert {d["metadata"]["name"] for d in rendered.of("Deployment")} == {"infermesh-h100", "infermesh-l4"}
 
 
@@ -511,7 +530,7 @@ def test_per_model_serving_settings_reach_each_sidecar_through_the_chart(helm, t
     values.write_text(capsys.readouterr().out)
     rendered = helm.template([values, PRODUCTION_VALUES])
     in_pod = tmp_path / "in-pod.yaml"
-    in_pod.write_text(rendered.one("ConfigMap")["data"]["policy.yaml"])
+    in_pod.write_text(rendered.one("ConfigMap", f"{RELEASE}-policy")["data"]["policy.yaml"])
     cfg = config_from_args(build_parser().parse_args(["--policy", str(in_pod), "--pool", "h100"]))
     assert {k: getattr(cfg.models[0], k) for k in MODEL_SERVING} == MODEL_SERVING
     assert cfg.models[1].tool_call_parser is None and cfg.models[1].generation_config == "auto"
@@ -649,13 +668,13 @@ def test_the_policy_digest_is_the_one_helm_takes(helm, tmp_path):
     policy.write_text(text)
     assert istio.go_json({"a": [1.0, 1e-05, 0.92, 1e-07, "<&>"]}) == '{"a":[1,0.00001,0.92,1e-7,"\\u003c\\u0026\\u003e"]}'
     rendered = helm.template([policy_values(policy), PIN])
-    assert "meta-llama/Llama <8B> & Co, Zürich" in rendered.one("ConfigMap")["data"]["policy.yaml"]
+    assert "meta-llama/Llama <8B> & Co, Zürich" in rendered.one("ConfigMap", f"{RELEASE}-policy")["data"]["policy.yaml"]
 
 
 def test_pools_envoy_filter_says_what_istio_cannot(helm):
     """The pools' EnvoyFilter, in every form: per pool weighted round robin and (retryBudget) the
     threshold with the retry budget, from the DestinationRule's limits with values overrides; per
-    route of the VirtualService its retry/hedge patch. The same as istio.py's for those options."""
+    route of the VirtualService its retry/hedge patch. istio.resources maps the same options."""
     files = SCENARIOS["production"]
     for sets, budget, max_connections in (([], True, 4096), (["retryBudget=false"], False, None),
                                           (["trafficPolicy.connectionPool.tcp.maxConnections=7"], True, 7)):
@@ -666,7 +685,8 @@ def test_pools_envoy_filter_says_what_istio_cannot(helm):
         if max_connections == 7:
             values["trafficPolicy"] = {"connectionPool": {"tcp": {"maxConnections": 7}}}
         opts = istio_options(values)
-        want = istio.pools_envoy_filter(istio.parts(scenario_policy(values)), opts)
+        (want,) = [o for o in istio.resources(scenario_policy(values), opts, raw_policy=values["policy"], helm=helm.binary)
+                   if o["metadata"]["name"] == f"{RELEASE}-pools"]
         assert ef["spec"] == want["spec"], sets
         patches = ef["spec"]["configPatches"]
         ops = [p["patch"]["operation"] for p in patches if p["applyTo"] == "CLUSTER"]

@@ -24,6 +24,10 @@ from typing import Any
 from .policy import Policy
 
 DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MODULE_URL = r"(oci|https?|file)://.+"
+"""Where proxies fetch the filter (filter.url; istio.check names the option with the same pattern)."""
+SHA256 = r"[a-f0-9]{64}"
+"""The module's digest (filter.sha256)."""
 
 
 def obj(properties: dict[str, Any], required: tuple[str, ...] = (), description: str | None = None) -> dict:
@@ -103,9 +107,9 @@ def chart_schema(policy: dict) -> dict:
                                           "description": "let PUT /admin/faults inject readings and stalls (drills); off in production"}},
                          required=("allowFaults",)),
             "filter": obj({
-                "url": {"type": "string", "pattern": "^$|^(oci|https?|file)://.+",
+                "url": {"type": "string", "pattern": f"^$|^{MODULE_URL}",
                         "description": "required: oci://REGISTRY/REPO:TAG, https://…/infermesh_filter.wasm or file://…"},
-                "sha256": {"type": "string", "pattern": "^$|^[a-f0-9]{64}$",
+                "sha256": {"type": "string", "pattern": f"^$|^{SHA256}$",
                            "description": "required: hex SHA-256 of the module (the image digest for oci://)"},
                 "failStrategy": {"enum": ["FAIL_OPEN", "FAIL_CLOSE"]},
                 "imagePullPolicy": {"enum": ["IfNotPresent", "Always"]},

@@ -17,8 +17,9 @@ Two kinds of decision, each made here and nowhere else:
   which `python -m infermesh.meshconfig.istio_parts > charts/infermesh/files/istio-decisions.json`
   writes and charts/tests checks is current.
 
-istio.py (`resources()`, `infermesh policy render POLICY istio`) and the chart's templates only
-add names, namespaces, ports and where the module lives (docs/istio.md).
+The chart's templates, the objects' one layout, take both and add only names, namespaces, ports
+and where the module lives; istio.py (`infermesh policy render POLICY istio`) renders the chart
+(docs/istio.md).
 """
 
 from __future__ import annotations
@@ -463,8 +464,8 @@ def parts(policy: Policy) -> IstioParts:
     check_policy(policy)
     m = envoy_form(policy)
     native = uses_native_rules(m)
-    # No probe clusters here: their names hold the release and namespace (istio.plugin_config and
-    # the chart's filter.yaml add them). The filter's degraded_routing lists only pools that shed;
+    # No probe clusters here: their names hold the release and namespace (the chart's filter.yaml
+    # adds them). The filter's degraded_routing lists only pools that shed;
     # spill is Envoy's (the `spill` parts: health check and aggregate cluster).
     wasm = wasm_filter_config(policy.filter_config(probe_clusters={}), remote_code("", ""))
     del wasm["config"]["failure_policy"]
@@ -514,7 +515,7 @@ SPILL_CLUSTER = {
 priorities of the two clusters as over one cluster's (the pool's at priority 0, the spill pool's
 next, with the overprovisioning factor 1.4) and picks the host with the chosen cluster's own load
 balancer; connections, limits and stats are the chosen cluster's, except max_retries, which the
-router takes from the aggregate too (pools_envoy_filter gives it the pools' threshold)."""
+router takes from the aggregate too (templates/pools-envoyfilter.yaml gives it the pools' threshold)."""
 
 
 def spill_parts(policy: Policy) -> dict[str, SpillPart]:

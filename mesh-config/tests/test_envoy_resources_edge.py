@@ -265,8 +265,7 @@ def test_the_serving_paths_are_what_the_sidecar_serves_to_clients():
 
 def test_the_istio_routes_carry_the_same_paths_and_the_gateway_denies_the_rest():
     policy = load_policy(PRODUCTION)
-    opts = istio.IstioOptions(wasm_url="oci://r.example/f:1", wasm_sha256="ab" * 32, gateways=("infermesh/infermesh",),
-                              hosts=("llm.example.com",))
+    opts = istio.IstioOptions(wasm_url="oci://r.example/f:1", wasm_sha256="ab" * 32, ingress=True, hosts=("llm.example.com",))
     objects = istio.resources(policy, opts)
     for vs in (o for o in objects if o["kind"] == "VirtualService"):
         *routes, last = vs["spec"]["http"]
@@ -280,7 +279,7 @@ def test_the_istio_routes_carry_the_same_paths_and_the_gateway_denies_the_rest()
     assert edge["spec"] == {"selector": {"matchLabels": {"istio": "ingress"}}, "action": "DENY",
                             "rules": [{"to": [{"operation": {"hosts": ["llm.example.com"], "notPaths": list(EDGE_PATHS)}}]}]}
     # No gateway, or the filter in client sidecars: nothing to put in a gateway.
-    assert not [o for o in istio.resources(policy, dataclasses.replace(opts, gateways=())) if o["kind"] == "AuthorizationPolicy"]
+    assert not [o for o in istio.resources(policy, dataclasses.replace(opts, ingress=False)) if o["kind"] == "AuthorizationPolicy"]
     assert not [o for o in istio.resources(policy, dataclasses.replace(opts, attach_to="sidecar")) if o["kind"] == "AuthorizationPolicy"]
 
 

@@ -1,7 +1,7 @@
-"""The Istio resources of a policy: the plain-Envoy parts of envoy_resources translated (the same
-routes in the same order, the same pool protection), the filter in the form its rules need, and
-errors that name the field. (charts/tests checks that the Helm chart renders exactly these
-objects, and that their routes decide a request matrix as the plain-Envoy routes do.)"""
+"""The Istio resources of a policy (`istio.resources`: the chart's templates rendered for it): the
+plain-Envoy parts of envoy_resources translated (the same routes in the same order, the same pool
+protection), the filter in the form its rules need, and errors that name the field. (charts/tests
+checks the chart's routes decide a request matrix as the plain-Envoy routes do.)"""
 
 import json
 from pathlib import Path
@@ -19,6 +19,20 @@ from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy, parse_policy
 PRODUCTION = LOCAL_POLICY.parent / "production.yaml"
 SHA = "ab" * 32
 OPTS = istio.IstioOptions(wasm_url="oci://registry.example.com/infermesh/filter:0.1.0", wasm_sha256=SHA)
+
+
+def one(objects, kind, name=None):
+    (o,) = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    return o
+
+
+def http_routes(policy, opts=OPTS):
+    """The mesh VirtualService's routes."""
+    return one(istio.resources(policy, opts), "VirtualService", opts.name)["spec"]["http"]
+
+
+def filter_object(policy, opts=OPTS):
+    return one(istio.resources(policy, opts), istio.parts(policy).filter.form, f"{opts.name}-filter")
 
 HEADER_ONLY = """
 version: 1
@@ -55,9 +69,9 @@ def _plain_routes(policy):
 def _istio_routes(policy, opts=OPTS):
     """The same tuple for the VirtualService's routes and the EnvoyFilter's per-route patches."""
     parts = istio.parts(policy)
-    by_host = {opts.fqdn(istio.pool_service_name(opts, p)): p for p in policy.pools}
+    by_host = {f"{opts.name}-{p}.{opts.namespace}.svc.{opts.cluster_domain}": p for p in policy.pools}
     out = []
-    *routes, last = istio.http_routes(parts, opts)
+    *routes, last = http_routes(policy, opts)
     for r, part in zip(routes, parts.routes, strict=True):
         dest = r["route"][0]["destination"]
         grpc = dest["port"]["number"] == opts.grpc_port
@@ -103,8 +117,7 @@ def test_each_routing_header_keeps_the_plain_envoy_routes_append_action():
     and rule headers of a decided route are appended as in plain Envoy (the early header mutation
     already removed a client's copy, and an overwrite looks the header up first)."""
     plain = {r["name"]: r for r in route_config(LocalMeshPlan(policy=parse_policy(HEADER_ONLY)).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"]}
-    parts = istio.parts(parse_policy(HEADER_ONLY))
-    for r in istio.http_routes(parts, OPTS)[:-1]:  # (the edge's 404 adds none)
+    for r in http_routes(parse_policy(HEADER_ONLY))[:-1]:  # (the edge's 404 adds none)
         want = {"add": {}, "set": {}}
         for h in plain[r["name"]].get("request_headers_to_add", []):
             want["add" if h["append_action"] == "APPEND_IF_EXISTS_OR_ADD" else "set"][h["header"]["key"]] = h["header"]["value"]
@@ -113,9 +126,8 @@ def test_each_routing_header_keeps_the_plain_envoy_routes_append_action():
 
 def test_native_rules_strip_client_headers_before_routing_and_turn_the_filter_off():
     policy = parse_policy(HEADER_ONLY)
-    parts = istio.parts(policy)
-    assert parts.filter.form == "EnvoyFilter" and not istio.needs_body(policy)
-    patches = istio.filter_object(parts, OPTS)["spec"]["configPatches"]
+    assert istio.parts(policy).filter.form == "EnvoyFilter" and not policy.needs_body
+    patches = filter_object(policy)["spec"]["configPatches"]
     strip = next(p for p in patches if p["applyTo"] == "NETWORK_FILTER")
     assert strip["match"] == {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager"}}}}
     assert strip["patch"]["value"]["typed_config"]["early_header_mutation_extensions"] == STRIP_CLIENT_HEADERS
@@ -127,7 +139,7 @@ def test_native_rules_strip_client_headers_before_routing_and_turn_the_filter_of
     assert all(v == {"typed_per_filter_config": {chain: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}}}
                for v in off.values())
     # One method, matched case-insensitively as the filter does (Istio has no ignore_case).
-    chat = next(r for r in istio.http_routes(parts, OPTS) if r["name"] == "rule-chat")
+    chat = next(r for r in http_routes(policy) if r["name"] == "rule-chat")
     # (Its prefix narrowed to the one path of the serving API it covers.)
     assert chat["match"] == [{"uri": {"exact": "/v1/chat/completions"}, "method": {"regex": "[Pp][Oo][Ss][Tt]"}}]
     assert chat["headers"] == {"request": {"add": {"x-infermesh-class": "chat", "x-infermesh-pool": "fast", "x-infermesh-rule": "chat"}},
@@ -148,7 +160,7 @@ def test_pool_limits_and_outlier_detection_are_those_of_the_plain_envoy_clusters
     policy = load_policy(PRODUCTION)
     b = bootstrap(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")))
     route = route_config(LocalMeshPlan(policy=policy).listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"][0]
-    for dr in istio.destination_rules(istio.parts(policy), OPTS):
+    for dr in [o for o in istio.resources(policy, OPTS) if o["kind"] == "DestinationRule"]:
         pool = dr["metadata"]["labels"]["infermesh.io/pool"]
         c = next(c for c in b["static_resources"]["clusters"] if c["name"] == f"pool_{pool}")
         t = c["circuit_breakers"]["thresholds"][0]
@@ -172,14 +184,14 @@ def test_pool_limits_and_outlier_detection_are_those_of_the_plain_envoy_clusters
         }
     # Retries: the same conditions, never on a response.
     retry = route["route"]["retry_policy"]
-    for r in istio.http_routes(istio.parts(policy), OPTS)[:-1]:  # (not the edge's 404)
+    for r in http_routes(policy)[:-1]:  # (not the edge's 404)
         assert r["retries"] == {"attempts": retry["num_retries"], "retryOn": retry["retry_on"]}
         assert route["route"]["timeout"] == "0s" and "timeout" not in r  # Istio's default: none
 
 
 def test_services_per_pool_with_both_fronts_and_a_front_service_on_the_default_pool():
     policy = load_policy(PRODUCTION)
-    svcs = {s["metadata"]["name"]: s for s in istio.services(istio.parts(policy), OPTS)}
+    svcs = {s["metadata"]["name"]: s for s in istio.resources(policy, OPTS) if s["kind"] == "Service"}
     assert set(svcs) == {"infermesh", "infermesh-h100", "infermesh-l4"}
     for name in ("infermesh-h100", "infermesh-l4"):
         ports = {p["name"]: (p["port"], p["appProtocol"]) for p in svcs[name]["spec"]["ports"]}
@@ -190,24 +202,23 @@ def test_services_per_pool_with_both_fronts_and_a_front_service_on_the_default_p
 
 def test_header_only_rules_the_filter_decides_give_a_wasm_plugin_with_the_policy_filter_config():
     policy = parse_policy(TRUSTED)
-    assert not istio.needs_body(policy)
-    parts = istio.parts(policy)
-    wp = istio.filter_object(parts, OPTS)
+    assert not policy.needs_body
+    wp = filter_object(policy)
     assert wp["kind"] == "WasmPlugin" and wp["metadata"]["namespace"] == "istio-ingress"
     spec = wp["spec"]
     assert spec["pluginConfig"] == policy.filter_config()
     assert (spec["url"], spec["sha256"], spec["failStrategy"]) == (OPTS.wasm_url, SHA, "FAIL_OPEN")
     assert spec["selector"] == {"matchLabels": {"istio": "ingress"}}
     assert "match" not in spec  # a gateway: all its traffic
-    sidecar = istio.wasm_plugin(parts, istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, attach_to="sidecar"))
+    sidecar = filter_object(policy, istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, attach_to="sidecar"))
     assert sidecar["spec"]["match"] == [{"mode": "CLIENT"}]
 
 
 def test_body_rules_give_an_envoy_filter_that_can_pause_for_the_body():
     policy = load_policy(PRODUCTION)
-    assert istio.needs_body(policy)
+    assert policy.needs_body
     parts = istio.parts(policy)
-    ef = istio.filter_object(parts, OPTS)
+    ef = filter_object(policy)
     assert ef["kind"] == "EnvoyFilter"
     patches = ef["spec"]["configPatches"]
     assert [p["applyTo"] for p in patches[:2]] == ["EXTENSION_CONFIG", "HTTP_FILTER"]
@@ -222,26 +233,26 @@ def test_body_rules_give_an_envoy_filter_that_can_pause_for_the_body():
     assert insert["patch"]["value"]["name"] == patches[0]["patch"]["value"]["name"]
     # Every route of the VirtualService can buffer a body as in plain Envoy.
     buffered = {p["match"]["routeConfiguration"]["vhost"]["route"]["name"]: p["patch"]["value"] for p in patches[2:]}
-    *routes, not_found = istio.http_routes(parts, OPTS)
+    *routes, not_found = http_routes(policy)
     assert buffered.pop(not_found["name"]) == {"typed_per_filter_config": {insert["patch"]["value"]["name"]: parts.wasm_off}}
     assert buffered == {r["name"]: {"per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES} for r in routes}
 
 
 def test_fail_close_maps_to_envoys_fail_closed():
     opts = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, fail_strategy="FAIL_CLOSE")
-    assert istio.wasm_extension_config(istio.parts(load_policy(PRODUCTION)), opts)["config"]["failure_policy"] == "FAIL_CLOSED"
-    assert istio.wasm_plugin(istio.parts(parse_policy(TRUSTED)), opts)["spec"]["failStrategy"] == "FAIL_CLOSE"
+    ext = filter_object(load_policy(PRODUCTION), opts)["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]
+    assert ext["config"]["failure_policy"] == "FAIL_CLOSED"
+    assert filter_object(parse_policy(TRUSTED), opts)["spec"]["failStrategy"] == "FAIL_CLOSE"
 
 
 def test_ingress_virtual_service_carries_the_same_routes_on_the_gateways():
     policy = load_policy(PRODUCTION)
-    opts = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, gateways=("infermesh/infermesh",), hosts=("llm.example.com",))
-    parts = istio.parts(policy)
-    mesh, ingress = istio.virtual_services(parts, opts)
+    opts = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=SHA, ingress=True, hosts=("llm.example.com",))
+    mesh, ingress = [o for o in istio.resources(policy, opts) if o["kind"] == "VirtualService"]
     assert mesh["spec"]["gateways"] == ["mesh"] and mesh["spec"]["hosts"] == ["infermesh.infermesh.svc.cluster.local"]
     assert ingress["spec"]["gateways"] == ["infermesh/infermesh"] and ingress["spec"]["hosts"] == ["llm.example.com"]
     assert ingress["spec"]["http"] == mesh["spec"]["http"]
-    assert len(istio.virtual_services(parts, OPTS)) == 1  # no gateways, no ingress object
+    assert len([o for o in istio.resources(policy, OPTS) if o["kind"] == "VirtualService"]) == 1  # no ingress, no second object
 
 
 @pytest.mark.parametrize("change, field", [
@@ -271,7 +282,7 @@ def test_real_envoy_accepts_the_envoy_filters_patches(tmp_path, policy, envoy_ac
     an HTTP filter of a listener under its name, the NETWORK_FILTER patch merged into the HCM, and
     each HTTP_ROUTE patch merged into a route of its own (the body buffer; the filter off by name).
     """
-    patches = istio.envoy_filter(istio.parts(policy), OPTS)["spec"]["configPatches"]
+    patches = filter_object(policy)["spec"]["configPatches"]
     ext = json.loads(json.dumps(patches[0]["patch"]["value"]))
     ext["typed_config"]["config"]["vm_config"]["code"] = {"local": {"filename": str(paths.filter_wasm())}}
     route_patches = [p for p in patches if p["applyTo"] == "HTTP_ROUTE"]
@@ -333,3 +344,25 @@ def test_a_native_filter_runtime_is_refused_for_istio_naming_the_field_and_line(
     for what in (["istio", "--wasm-url", OPTS.wasm_url, "--wasm-sha256", SHA], ["helm-values"]):
         assert main(["policy", "render", str(path), *what]) == 2
         assert capsys.readouterr().err.startswith(f"{path}:{line}: filter.runtime: ")
+
+
+def test_without_helm_the_istio_objects_are_refused_naming_the_ways_to_get_it(tmp_path, monkeypatch, capsys):
+    """The objects are the chart's, rendered by Helm: with none found (no $INFERMESH_HELM, none
+    built under INFERMESH_HOME, none on PATH) the command says so and how to get one."""
+    from infermesh.cli import main
+
+    monkeypatch.delenv(istio.HELM_ENV, raising=False)
+    monkeypatch.setenv("INFERMESH_HOME", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(istio.HelmMissing, match="scripts/setup-chart-tools.sh"):
+        istio.resources(load_policy(PRODUCTION), OPTS)
+    assert main(["policy", "render", str(PRODUCTION), "istio", "--wasm-url", OPTS.wasm_url, "--wasm-sha256", SHA]) == 2
+    err = capsys.readouterr().err
+    assert "rendered with Helm 3, and none was found" in err and istio.HELM_ENV in err
+
+
+def test_an_error_of_the_chart_comes_back_as_its_own_message():
+    policy = parse_policy(HEADER_ONLY.replace("fast:", "f" * 60 + ":").replace("pool: fast", "pool: " + "f" * 60))
+    with pytest.raises(istio.IstioConfigError) as e:
+        istio.resources(policy, OPTS)
+    assert str(e.value) == f'policy.pools.{"f" * 60}: the Service name "infermesh-{"f" * 60}" is longer than 63 characters'

@@ -36,13 +36,23 @@ pools:
 """
 
 
+def one(objects, kind, name):
+    (o,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    return o
+
+
+def http_routes(policy, opts=OPTS):
+    """The mesh VirtualService's routes (templates/virtualservice.yaml)."""
+    return one(istio.resources(policy, opts), "VirtualService", opts.name)["spec"]["http"]
+
+
 def routes_by_name(policy):
-    parts = istio.parts(policy)
-    return {r["name"]: (r, part) for r, part in zip(istio.http_routes(parts, OPTS), parts.values()["routes"])}
+    return {r["name"]: (r, part) for r, part in zip(http_routes(policy), istio.chart_parts(policy)["routes"])}
 
 
 def pools_filter(policy, opts=OPTS):
-    return istio.pools_envoy_filter(istio.parts(policy), opts)
+    """The pools' EnvoyFilter (templates/pools-envoyfilter.yaml)."""
+    return one(istio.resources(policy, opts), "EnvoyFilter", f"{opts.name}-pools")
 
 
 def test_a_hedging_deadline_is_a_per_try_timeout_in_the_virtual_service_and_a_hedge_in_the_patch():
@@ -120,7 +130,7 @@ def test_pool_clusters_get_weighted_round_robin_and_the_retry_budget():
     # Every route of the VirtualService to a pool has its patch; the edge's 404 (a directResponse,
     # its last route) reaches no pool, so it has none.
     routes = [p["match"]["routeConfiguration"]["vhost"]["route"]["name"] for p in ef["spec"]["configPatches"] if p["applyTo"] == "HTTP_ROUTE"]
-    vs = istio.http_routes(istio.parts(REPLICAS), OPTS)
+    vs = http_routes(REPLICAS)
     assert "directResponse" in vs[-1] and all("route" in r for r in vs[:-1])
     assert routes == [r["name"] for r in vs[:-1]]
 

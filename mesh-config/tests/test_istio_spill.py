@@ -20,8 +20,19 @@ OPTS = istio.IstioOptions(wasm_url="oci://registry.example.com/infermesh/filter:
 HOST = "infermesh-{}.infermesh.svc.cluster.local"
 
 
+def spill_name(port, pool="interactive"):
+    return f"infermesh-spill|{port}||{HOST.format(pool)}"
+
+
 def patches(policy=LOCAL, opts=OPTS):
-    return istio.pools_envoy_filter(istio.parts(policy), opts)["spec"]["configPatches"]
+    """The pools' EnvoyFilter's patches (templates/pools-envoyfilter.yaml)."""
+    (ef,) = [o for o in istio.resources(policy, opts) if o["metadata"]["name"] == f"{opts.name}-pools"]
+    return ef["spec"]["configPatches"]
+
+
+def pools_threshold(opts=OPTS):
+    """The pool clusters' circuit-breaker threshold (its MERGE_AND_REPLACE_LIST patch)."""
+    return next(p for p in patches(opts=opts) if p["patch"]["operation"] == "MERGE_AND_REPLACE_LIST")["patch"]["value"]["circuit_breakers"]["thresholds"]
 
 
 def test_the_spilling_pools_clusters_health_check_its_state_from_at_level_with_panic_back_on():
@@ -41,10 +52,10 @@ def test_the_spilling_pools_clusters_health_check_its_state_from_at_level_with_p
 def test_each_front_gets_an_aggregate_of_the_pool_then_the_spill_pool_with_the_pools_threshold():
     added = [p for p in patches() if p["patch"]["operation"] == "ADD"]
     assert [p["match"] for p in added] == [{"context": "GATEWAY"}] * 2
-    threshold = istio.pool_thresholds(istio.parts(LOCAL), OPTS)
+    threshold = pools_threshold()
     for p, port in zip(added, (8000, 50051)):
         c = p["patch"]["value"]
-        assert c["name"] == f"infermesh-spill|{port}||{HOST.format('interactive')}" == istio.spill_cluster_name(OPTS, "interactive", port == 50051)
+        assert c["name"] == spill_name(port)
         assert c["lb_policy"] == "CLUSTER_PROVIDED" and c["cluster_type"]["name"] == "envoy.clusters.aggregate"
         assert c["cluster_type"]["typed_config"] == {
             "@type": "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig",
@@ -64,7 +75,7 @@ def test_the_pools_routes_go_to_its_aggregate_and_no_others():
     for r in parts["routes"]:
         got = by_name[r["http"]["name"]]
         if r["pool"] == "interactive":
-            assert got == {**r["envoyRoute"]["route"], "cluster": istio.spill_cluster_name(OPTS, "interactive", r["grpc"])}, r["http"]["name"]
+            assert got == {**r["envoyRoute"]["route"], "cluster": spill_name(50051 if r["grpc"] else 8000)}, r["http"]["name"]
         else:
             assert got == r["envoyRoute"]["route"], r["http"]["name"]
     assert {r["pool"] for r in parts["routes"]} == {"interactive", "batch"}
@@ -72,10 +83,10 @@ def test_the_pools_routes_go_to_its_aggregate_and_no_others():
 
 def test_the_filter_only_sheds_probing_the_pools_istio_cluster():
     parts = istio.parts(LOCAL)
-    cfg = istio.plugin_config(parts, OPTS)
+    (ef,) = [o for o in istio.resources(LOCAL, OPTS) if o["metadata"]["name"] == "infermesh-filter"]
+    cfg = json.loads(ef["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]["config"]["configuration"]["value"])
     assert cfg["degraded_routing"]["pools"] == {"interactive": {
         "at_level": 3, "shed_classes": ["batch"], "probe_cluster": f"outbound|8000||{HOST.format('interactive')}"}}
-    assert istio.probe_cluster(OPTS, "interactive") == istio.outbound_cluster(OPTS, "interactive")
     assert parts.values()["spill"] == {"interactive": {"to": "batch", "atLevel": 3, "cluster": {
         "http": {"health_checks": health_checks(False, below_level=3), "common_lb_config": {"healthy_panic_threshold": {"value": 1}, "update_merge_window": "0s"}},
         "grpc": {"health_checks": health_checks(True, below_level=3), "common_lb_config": {"healthy_panic_threshold": {"value": 1}, "update_merge_window": "0s"}}}}}
@@ -89,11 +100,12 @@ def test_a_policy_that_never_spills_gets_none_of_it():
 
 
 def test_names_follow_the_release_namespace_and_ports():
-    opts = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=OPTS.wasm_sha256, name="llm", namespace="prod",
+    opts = istio.IstioOptions(wasm_url=OPTS.wasm_url, wasm_sha256=OPTS.wasm_sha256, name="llm-infermesh", namespace="prod",
                               http_port=9000, grpc_port=9001, attach_to="sidecar")
     ps = patches(opts=opts)
     names = [p["patch"]["value"]["name"] for p in ps if p["patch"]["operation"] == "ADD"]
-    assert names == ["infermesh-spill|9000||llm-interactive.prod.svc.cluster.local", "infermesh-spill|9001||llm-interactive.prod.svc.cluster.local"]
+    assert names == ["infermesh-spill|9000||llm-infermesh-interactive.prod.svc.cluster.local",
+                     "infermesh-spill|9001||llm-infermesh-interactive.prod.svc.cluster.local"]
     assert {p["match"]["context"] for p in ps} == {"SIDECAR_OUTBOUND"}
     assert [p["match"]["cluster"]["portNumber"] for p in ps if "portNumber" in p["match"].get("cluster", {})] == [9000, 9001]
 
@@ -149,7 +161,7 @@ def test_real_envoy_accepts_the_spill_patches_merged_into_what_istiod_builds(env
             continue
         name = p["match"]["routeConfiguration"]["vhost"]["route"]["name"]
         part = next(r for r in istio.chart_parts(LOCAL)["routes"] if r["http"]["name"] == name)
-        action = _merge({"cluster": istio.outbound_cluster(opts, part["pool"], part["grpc"])}, p["patch"]["value"]["route"])
+        action = _merge({"cluster": f"outbound|{50051 if part['grpc'] else 8000}||{HOST.format(part['pool'])}"}, p["patch"]["value"]["route"])
         routes.append({"name": name, "match": {"prefix": "/"}, "route": action})
     # Every route of a spilling pool, on both fronts, goes to an aggregate; no other route does.
     spilling = [r for r in istio.chart_parts(LOCAL)["routes"] if (d := LOCAL.pools[r["pool"]].when_degraded) and d.spill_to]

@@ -1,6 +1,7 @@
 {{/*
-Names, labels and what every template derives from the policy. Names and labels follow
-mesh-config/meshconfig/istio.py (tests compare the two renderings of the same policy).
+Names, labels and what every template derives from the policy. The templates are the one layout
+of the Istio objects: `infermesh policy render POLICY istio` (mesh-config/meshconfig/istio.py)
+renders them too (docs/istio.md).
 */}}
 
 {{/* The policy, as YAML: .Values.policy, or the bundled files/default-policy.yaml when that is
@@ -15,7 +16,7 @@ empty (a default under .Values.policy would be merged with the user's policy, ma
 
 {{/* What the chart takes from the policy model, as JSON: .Values.generated (written with the
 policy by `infermesh policy render POLICY helm-values`), or files/default-generated.json for the
-bundled policy. Nothing here decides: the model did (mesh-config/meshconfig/istio.py chart_parts).
+bundled policy. Nothing here decides: the model did (mesh-config/meshconfig/istio_parts.py).
 Refused, naming the fix, when missing or written for another policy (a policy edited after).
 Every template reads it through this, so whichever renders first reports it (_validate.tpl). */}}
 {{- define "infermesh.generated" -}}
@@ -88,7 +89,7 @@ infermesh.io/pool: {{ .pool }}
 {{- end -}}
 
 {{/* The VirtualService's routes: the model's route parts, each with its pool's Service and port,
-then the edge's JSON 404 for every other path (istio.py http_routes). */}}
+then the edge's JSON 404 for every other path. */}}
 {{- define "infermesh.httpRoutes" -}}
 {{- $root := . -}}
 {{- $out := list -}}
