@@ -8,6 +8,7 @@ PY="$(scripts/setup.sh)"
 echo "test: setup done in $((SECONDS - t0))s" >&2
 scripts/setup-chart-tools.sh >/dev/null  # Helm and the Kubernetes/Istio schemas for charts/tests
 scripts/setup-istiod.sh >/dev/null  # istiod for e2e/test_istiod_e2e.py (built once; docs/kubernetes.md)
+scripts/setup-otelcol.sh >/dev/null  # the OpenTelemetry Collector for e2e/test_tracing_e2e.py (built once; docs/tracing.md)
 
 echo "== filter: cargo test (native) ==" >&2
 # The flow's unit tests need no feature; `dynamic-module` also compiles (and tests) the native bindings.
