@@ -19,7 +19,7 @@ from typing import Sequence
 
 from infermesh.meshconfig import content_model as cm
 
-from .content_classes import FeatureSpec, bucket_counts, evaluate, quantized_labels, scores, split, train
+from .content_training import FeatureSpec, bucket_counts, evaluate, quantized_labels, scores, split, train
 
 # The 16 largest categories (a model holds at most 16 labels); left out: botprofile (the bot's
 # persona), food (34 statements), politics (30), history (16), health (9).

@@ -2,9 +2,9 @@
 request, its hashed n-gram features, the int8 linear model that scores them, and the model's
 JSON (the same object in the policy's `content_model`, the filter config and a model file).
 
-The filter (filter/src, its `content_eval` example) implements the same spec,
-/work/notes/content-classifier-spec.md as written into docs/content-classes.md; the contract test
-(mesh-config/tests/test_content_contract.py) holds the two to the same label on every example.
+The filter (filter/src/content_classifier.rs, natively its `content_eval` example) implements the
+same spec (docs/content-classes.md); the contract test (mesh-config/tests/test_content_contract.py)
+holds the two to the same label on every example.
 
     m = ContentModel.from_obj(json.load(f))      # or load_model(path); ModelError on a bad model
     m.classify(b"how do I reverse a list in python")   -> Verdict(label="code", score=0.91, features=57)

@@ -1,4 +1,4 @@
-"""`infermesh classes train` (infermesh/content_classes.py): examples, the held-out scores of the
+"""`infermesh classes train` (infermesh/content_classes.py, content_training.py): examples, the held-out scores of the
 full-precision and int8 models, the confusion matrix, and where the model is written (a file, a
 policy's model file, inline in a policy, which is checked before it is replaced)."""
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import yaml
 
-from infermesh.content_classes import (NO_LABEL, ExamplesError, FeatureSpec, bucket_counts, confusion, main, quantized_labels,
-                                       read_examples, train, write_into_policy)
+from infermesh.content_classes import main
+from infermesh.content_training import (NO_LABEL, ExamplesError, FeatureSpec, bucket_counts, confusion, quantized_labels, read_examples,
+                                        train, write_into_policy)
 from infermesh.meshconfig import content_model as cm
 from infermesh.meshconfig.policy import PolicyError, load_policy
 
