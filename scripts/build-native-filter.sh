@@ -26,3 +26,10 @@ for a in "$@"; do [ "$prev" = --target-dir ] && TARGET_DIR="$a" && DEFAULT=(); p
   --config "source.crates-io.replace-with=\"vendored\"" \
   --config "source.vendored.directory=\"$VENDOR\"" "${DEFAULT[@]}" "$@"
 ls -l "$TARGET_DIR/release/libinfermesh_filter.so" >&2
+# The content classifier on lines of JSON (filter/examples/content_eval.rs), where `infermesh
+# classes eval` and the contract test call it (target/release/examples/content_eval): the default
+# build only, by the very command they run (its artifacts are theirs: neither rebuilds the other).
+if [ $# -eq 0 ]; then
+  "$CARGO" build --release --quiet --example content_eval
+  ls -l target/release/examples/content_eval >&2
+fi

@@ -6,7 +6,8 @@
 //! skipped — the documented header-only decision — and the reason is reported.
 
 use crate::body::BodyFacts;
-use crate::config::{BodyMatch, FilterConfig, HeaderCond, Rule};
+use crate::config::{BodyMatch, ContentMatch, FilterConfig, HeaderCond, Rule};
+use crate::content_classifier::ContentLabel;
 
 /// What the classifier may look at. The glue implements it over Envoy's header map; tests use
 /// a plain struct.
@@ -53,8 +54,19 @@ impl Fallback {
 pub enum Body<'a> {
     /// Not read yet: a rule that needs it stops the decision.
     NotYet,
-    Parsed(&'a BodyFacts),
+    /// Its facts, and its content label as far as it is known.
+    Parsed(&'a BodyFacts, Content),
     Unavailable(Fallback),
+}
+
+/// The request's content label (content_classifier.rs), computed only when a rule whose other
+/// conditions hold has a `content` condition.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Content {
+    /// Not computed yet: such a rule stops the decision (`Outcome::NeedContent`).
+    NotYet,
+    /// Computed; `None`: the request has no text (no label).
+    Known(Option<ContentLabel>),
 }
 
 /// The outcome written back into the request headers.
@@ -76,6 +88,9 @@ pub enum Outcome<'c> {
     Decided(Decision<'c>),
     /// The first applicable rule needs the body.
     NeedBody,
+    /// The first rule whose other conditions hold needs the content label (the body is in):
+    /// ask again with `Content::Known`.
+    NeedContent,
 }
 
 /// The rule name reported when no rule matched.
@@ -91,12 +106,21 @@ pub fn classify<'c>(config: &'c FilterConfig, req: &dyn RequestView, body: Body<
         if !head_matches(rule, req, path) {
             continue;
         }
-        if let Some(bm) = &rule.body {
+        if rule.needs_body() {
             match body {
                 Body::NotYet => return Outcome::NeedBody,
-                Body::Parsed(facts) => {
-                    if !body_matches(bm, facts) {
+                Body::Parsed(facts, content) => {
+                    if !rule.body.as_ref().map_or(true, |bm| body_matches(bm, facts)) {
                         continue;
+                    }
+                    match (&rule.content, content) {
+                        (None, _) => {}
+                        (Some(_), Content::NotYet) => return Outcome::NeedContent,
+                        (Some(cm), Content::Known(label)) => {
+                            if !content_matches(cm, label) {
+                                continue;
+                            }
+                        }
                     }
                 }
                 Body::Unavailable(why) => {
@@ -150,6 +174,10 @@ fn head_matches(rule: &Rule, req: &dyn RequestView, path: Option<&str>) -> bool 
         (HeaderCond::Value(m), Some(v)) => m.matches(v),
         (HeaderCond::Value(_), None) => false,
     })
+}
+
+fn content_matches(m: &ContentMatch, label: Option<ContentLabel>) -> bool {
+    label.map_or(false, |l| l.index == m.label && l.score >= m.min_score)
 }
 
 fn body_matches(m: &BodyMatch, f: &BodyFacts) -> bool {
@@ -230,18 +258,28 @@ mod tests {
         .unwrap()
     }
 
-    fn decide<'c>(c: &'c FilterConfig, r: &FakeRequest, body: &[u8]) -> Decision<'c> {
+    /// As the request flow decides: on the headers, then on the body's facts, then (when a
+    /// content rule is reached) with its content label.
+    pub(crate) fn decide<'c>(c: &'c FilterConfig, r: &FakeRequest, body: &[u8]) -> Decision<'c> {
         match classify(c, r, Body::NotYet) {
             Outcome::Decided(d) => d,
+            Outcome::NeedContent => panic!("asked for the content before the body"),
             Outcome::NeedBody => {
                 let facts = parse_body(body);
                 let b = match &facts {
-                    Ok(f) => Body::Parsed(f),
+                    Ok(f) => Body::Parsed(f, Content::NotYet),
                     Err(_) => Body::Unavailable(Fallback::InvalidJson),
                 };
                 match classify(c, r, b) {
                     Outcome::Decided(d) => d,
                     Outcome::NeedBody => panic!("asked for the body twice"),
+                    Outcome::NeedContent => {
+                        let label = c.content_model.as_ref().unwrap().classify_body(&[body]).label;
+                        match classify(c, r, Body::Parsed(facts.as_ref().unwrap(), Content::Known(label))) {
+                            Outcome::Decided(d) => d,
+                            other => panic!("asked again with the label: {other:?}"),
+                        }
+                    }
                 }
             }
         }
@@ -306,7 +344,7 @@ mod tests {
         for why in Fallback::ALL {
             match classify(&c, &req("POST", "/v1/chat/completions"), Body::Unavailable(why)) {
                 Outcome::Decided(d) => assert_eq!((d.rule, d.fallback), ("chat", Some(why))),
-                Outcome::NeedBody => panic!(),
+                Outcome::NeedBody | Outcome::NeedContent => panic!(),
             }
         }
     }
@@ -319,6 +357,83 @@ mod tests {
         assert!(matches!(classify(&c, &r, Body::NotYet), Outcome::Decided(Decision { rule: "grpc-generate", .. })));
         r.headers.insert("x-infermesh-class-hint".into(), "x".into());
         assert!(matches!(classify(&c, &r, Body::NotYet), Outcome::Decided(Decision { rule: DEFAULT_RULE, .. })));
+    }
+
+    /// Rules with content conditions, before and after others: a model whose label is `code`
+    /// for "rust" (and `chat` otherwise), surer the more often it is said.
+    fn content_config() -> FilterConfig {
+        let rust = (crate::content_classifier::fnv1a(b"wrust") & 255) as usize;
+        let model = crate::content_classifier::tests::model_json(&["chat", "code"], 256, 1, [0, 0], 4096, |b, l| if b == rust && l == 1 { 4 } else { 0 });
+        FilterConfig::parse(
+            format!(
+                r#"{{"version": 1, "default_class": "batch", "content_model": {model},
+                "classes": {{"interactive": {{"pool": "h100"}}, "batch": {{"pool": "l4"}}, "code": {{"pool": "coder"}}}},
+                "rules": [
+                  {{"name": "header", "class": "interactive", "match": {{"headers": [{{"name": "x-priority", "exact": "high"}}]}}}},
+                  {{"name": "tenant-code", "class": "batch",
+                   "match": {{"headers": [{{"name": "x-tenant", "exact": "eval"}}], "content": {{"label": "code", "min_score": 0.5}}}}}},
+                  {{"name": "streamed-code", "class": "code", "match": {{"body": {{"stream": true}}, "content": {{"label": "code", "min_score": 0.9}}}}}},
+                  {{"name": "code", "class": "code", "match": {{"path": {{"prefix": "/v1/"}}, "content": {{"label": "code", "min_score": 0.6}}}}}},
+                  {{"name": "chat", "class": "interactive", "match": {{"path": {{"prefix": "/v1/chat/"}}}}}}
+                ]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn content_rules_match_the_label_and_its_score() {
+        let c = content_config();
+        let r = req("POST", "/v1/chat/completions");
+        let chat = |text: &str| format!(r#"{{"messages": [{{"role": "user", "content": "{text}"}}]}}"#);
+        // "rust" once in 2 words: logit 2 vs 0, p = 0.88: the `code` rule (0.6), not the streamed one (0.9).
+        assert_eq!(decide(&c, &r, chat("rust please").as_bytes()).rule, "code");
+        assert_eq!(decide(&c, &r, format!(r#"{{"stream": true, {}"#, &chat("rust please")[1..]).as_bytes()).rule, "code");
+        // Every word "rust": p = 0.98, the streamed rule first when streamed.
+        assert_eq!(decide(&c, &r, format!(r#"{{"stream": true, {}"#, &chat("rust rust")[1..]).as_bytes()).rule, "streamed-code");
+        // Below the score (1 word in 12: p = 0.58 < 0.6): falls through to the next rule.
+        assert_eq!(decide(&c, &r, chat("rust a b c d e f g h i j k").as_bytes()).rule, "chat");
+        // Another label, or no text: falls through, with no fallback.
+        let d = decide(&c, &r, chat("hello there").as_bytes());
+        assert_eq!((d.rule, d.fallback), ("chat", None));
+        for none in [r#"{"messages": []}"#, r#"{"messages": [{"role": "assistant", "content": "rust"}]}"#, r#"{"prompt": [1, 2]}"#, "{}"] {
+            let d = decide(&c, &r, none.as_bytes());
+            assert_eq!((d.rule, d.fallback), ("chat", None), "{none}");
+        }
+        // Not JSON: the body rules are skipped, as any body condition.
+        let d = decide(&c, &r, b"not json rust");
+        assert_eq!((d.rule, d.fallback), ("chat", Some(Fallback::InvalidJson)));
+        // It composes with headers: the tenant's rule needs both.
+        let mut t = req("POST", "/v1/chat/completions");
+        t.headers.insert("x-tenant".into(), "eval".into());
+        assert_eq!(decide(&c, &t, chat("rust please").as_bytes()).rule, "tenant-code");
+        assert_eq!(decide(&c, &t, chat("hello").as_bytes()).rule, "chat");
+        // Completions and Responses text, on other paths.
+        assert_eq!(decide(&c, &req("POST", "/v1/completions"), br#"{"prompt": "rust"}"#).rule, "code");
+        assert_eq!(decide(&c, &req("POST", "/v1/responses"), br#"{"input": "Rust!"}"#).rule, "code");
+        assert_eq!(decide(&c, &req("POST", "/v2/completions"), br#"{"prompt": "rust"}"#).rule, DEFAULT_RULE);
+    }
+
+    #[test]
+    fn the_label_is_asked_for_only_when_a_content_rule_is_reached() {
+        let c = content_config();
+        let r = req("POST", "/v1/chat/completions");
+        let facts = parse_body(br#"{"stream": false}"#).unwrap();
+        // A header rule before the content rules decides without the body or the label.
+        let mut high = req("POST", "/v1/chat/completions");
+        high.headers.insert("x-priority".into(), "high".into());
+        assert!(matches!(classify(&c, &high, Body::NotYet), Outcome::Decided(Decision { rule: "header", .. })));
+        // The body first, then the label.
+        assert_eq!(classify(&c, &r, Body::NotYet), Outcome::NeedBody);
+        assert_eq!(classify(&c, &r, Body::Parsed(&facts, Content::NotYet)), Outcome::NeedContent);
+        // No content rule reached (not /v1/, no tenant): decided without the label.
+        assert!(matches!(classify(&c, &req("POST", "/v2/x"), Body::Parsed(&facts, Content::NotYet)), Outcome::Decided(Decision { rule: DEFAULT_RULE, .. })));
+        // Unavailable body: content rules are skipped like body rules, with the reason.
+        match classify(&c, &r, Body::Unavailable(Fallback::NotJson)) {
+            Outcome::Decided(d) => assert_eq!((d.rule, d.fallback), ("chat", Some(Fallback::NotJson))),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

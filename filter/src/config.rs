@@ -3,6 +3,7 @@
 //! An invalid configuration is rejected as a whole with a message that names the field; the
 //! glue then keeps the last good configuration (or Envoy refuses to start when there is none).
 
+use crate::content_classifier::ContentModel;
 use regex::Regex;
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -107,6 +108,9 @@ struct RawConfig {
     emit_objective_header: bool,
     #[serde(default)]
     degraded_routing: Option<RawDegraded>,
+    /// The content classifier's model (content_classifier.rs), for rules' `content` conditions.
+    #[serde(default)]
+    content_model: Option<crate::content_classifier::RawContentModel>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -211,6 +215,16 @@ struct RawMatch {
     headers: Vec<RawHeaderMatch>,
     #[serde(default)]
     body: Option<RawBodyMatch>,
+    #[serde(default)]
+    content: Option<RawContentMatch>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawContentMatch {
+    label: String,
+    #[serde(default)]
+    min_score: f64,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -336,6 +350,15 @@ pub struct BodyMatch {
     pub service_tier: Option<StringMatch>,
 }
 
+/// A condition on the request's content label (content_classifier.rs): the label the model gives
+/// the request's text is `label` (an index into the model's labels), with a score of at least
+/// `min_score`. A request with no text has no label: the condition does not hold.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ContentMatch {
+    pub label: usize,
+    pub min_score: f64,
+}
+
 /// One ordered rule: all its conditions must hold; the first matching rule decides.
 #[derive(Debug, Clone)]
 pub struct Rule {
@@ -347,6 +370,14 @@ pub struct Rule {
     pub path: Option<StringMatch>,
     pub headers: Vec<HeaderMatch>,
     pub body: Option<BodyMatch>,
+    pub content: Option<ContentMatch>,
+}
+
+impl Rule {
+    /// Whether the rule looks at the body (a body field or its content).
+    pub fn needs_body(&self) -> bool {
+        self.body.is_some() || self.content.is_some()
+    }
 }
 
 /// An IP network (`10.0.0.0/8`, `::1/128`).
@@ -424,6 +455,8 @@ pub struct FilterConfig {
     pub degraded: Option<DegradedRouting>,
     /// The classes whose requests get a prefix key, with its form (docs/prefix-routing.md).
     pub prefix: BTreeMap<String, crate::prefix_key::PrefixSpec>,
+    /// The content classifier's model, when a rule has a `content` condition.
+    pub content_model: Option<crate::content_classifier::ContentModel>,
 }
 
 /// One pool's `when_degraded` as the filter applies it (shedding; spill is Envoy's health-check
@@ -567,6 +600,10 @@ impl FilterConfig {
             classes.get(class).cloned().ok_or_else(|| err(field, format!("unknown class `{class}`")))
         };
         let (default_pool, default_objective) = lookup("default_class", &raw.default_class)?;
+        let content_model = match raw.content_model {
+            Some(m) => Some(ContentModel::from_raw("content_model", m).map_err(|(f, m)| err(f, m))?),
+            None => None,
+        };
         let regex_limit = regex_size_limit(regex_count(&raw.rules));
         let mut rules = Vec::with_capacity(raw.rules.len());
         let mut seen = BTreeSet::new();
@@ -630,6 +667,10 @@ impl FilterConfig {
                 }
                 None => None,
             };
+            let content = match m.content {
+                Some(c) => Some(content_match(&format!("{at}.match.content"), c, content_model.as_ref())?),
+                None => None,
+            };
             rules.push(Rule {
                 name: r.name,
                 class: r.class,
@@ -639,6 +680,7 @@ impl FilterConfig {
                 path,
                 headers,
                 body,
+                content,
             });
         }
         if !(BODY_MAX_BYTES.min..=BODY_MAX_BYTES.max).contains(&(raw.body.max_bytes as u64)) {
@@ -671,6 +713,7 @@ impl FilterConfig {
             emit_objective_header: raw.emit_objective_header,
             degraded,
             prefix,
+            content_model,
         })
     }
 
@@ -685,8 +728,28 @@ impl FilterConfig {
 
     /// Whether any rule looks at the body (otherwise the filter never buffers).
     pub fn needs_body(&self) -> bool {
-        self.rules.iter().any(|r| r.body.is_some())
+        self.rules.iter().any(Rule::needs_body)
     }
+}
+
+/// A rule's `content` condition, against the config's model.
+fn content_match(field: &str, raw: RawContentMatch, model: Option<&ContentModel>) -> Result<ContentMatch, ConfigError> {
+    let model = model.ok_or_else(|| err(field, "a `content` condition needs a `content_model`"))?;
+    let label = model.label_index(&raw.label).ok_or_else(|| {
+        err(format!("{field}.label"), format!("unknown label `{}` (the model's labels: {})", raw.label, model.labels.join(", ")))
+    })?;
+    if !(0.0..=1.0).contains(&raw.min_score) {
+        return Err(err(format!("{field}.min_score"), "must be between 0 and 1"));
+    }
+    Ok(ContentMatch { label, min_score: raw.min_score })
+}
+
+/// A content model on its own (a model file: `infermesh classes`' format, the same JSON as the
+/// config's `content_model`), checked as the config checks it; errors name the field from the
+/// model's top (`dim`, `labels[2]`) or, for serde's, where it broke.
+pub fn parse_content_model(bytes: &[u8]) -> Result<ContentModel, ConfigError> {
+    let raw: crate::content_classifier::RawContentModel = serde_json::from_slice(bytes).map_err(|e| serde_error(bytes, &e))?;
+    ContentModel::from_raw("", raw).map_err(|(f, m)| err(f.trim_start_matches('.'), m))
 }
 
 /// serde's refusal (field `$`, its words and position), with ` (at `PATH`)`: a wrong type's
@@ -841,13 +904,18 @@ fn degraded_routing(d: RawDegraded, classes: &BTreeMap<String, (String, String)>
 
 /// Class, pool and rule names end up in header values and metric names: keep them plain.
 fn check_token(field: &str, value: &str) -> Result<(), ConfigError> {
+    token_error(value).map_err(|message| err(field, message))
+}
+
+/// `check_token`'s verdict, without the field (a content model's labels are checked with it).
+pub(crate) fn token_error(value: &str) -> Result<(), String> {
     let ok = !value.is_empty()
         && value.len() <= TOKEN_MAX_LEN
         && value.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
     if ok {
         Ok(())
     } else {
-        Err(err(field, format!("`{value}` must be 1-{TOKEN_MAX_LEN} characters of [A-Za-z0-9_-]")))
+        Err(format!("`{value}` must be 1-{TOKEN_MAX_LEN} characters of [A-Za-z0-9_-]"))
     }
 }
 
@@ -1122,6 +1190,47 @@ mod tests {
         let c = FilterConfig::parse(with("^/v1/m{i}/(chat/)?completions$", 2000).as_bytes()).unwrap();
         assert!(c.rules[1999].path.as_ref().unwrap().matches("/v1/m1999/chat/completions"));
         assert!(!c.rules[1999].path.as_ref().unwrap().matches("/v1/m199/chat/completions"));
+    }
+
+    #[test]
+    fn content_conditions_are_checked_against_the_model() {
+        let model = crate::content_classifier::tests::model_json(&["code", "chat"], 256, 2, [3, 4], 4096, |_, _| 1);
+        let with = |model: Option<&str>, content: &str| {
+            let mut doc: serde_json::Value = serde_json::from_str(GOOD).unwrap();
+            if let Some(m) = model {
+                doc["content_model"] = serde_json::from_str(m).unwrap();
+            }
+            doc["rules"][1]["match"]["content"] = serde_json::from_str(content).unwrap();
+            doc.to_string()
+        };
+        let c = FilterConfig::parse(with(Some(&model), r#"{"label": "chat", "min_score": 0.6}"#).as_bytes()).unwrap();
+        assert_eq!(c.rules[1].content, Some(ContentMatch { label: 1, min_score: 0.6 }));
+        assert_eq!(c.content_model.as_ref().unwrap().labels, ["code", "chat"]);
+        let c = FilterConfig::parse(with(Some(&model), r#"{"label": "code"}"#).as_bytes()).unwrap();
+        assert_eq!(c.rules[1].content, Some(ContentMatch { label: 0, min_score: 0.0 }));
+        // A content rule needs the body, like a body rule.
+        let mut doc: serde_json::Value = serde_json::from_str(&with(Some(&model), r#"{"label": "code"}"#)).unwrap();
+        doc["rules"][1]["match"].as_object_mut().unwrap().remove("body");
+        doc["rules"].as_array_mut().unwrap().remove(0);
+        let c = FilterConfig::parse(doc.to_string().as_bytes()).unwrap();
+        assert!(c.rules[0].body.is_none() && c.needs_body());
+        // A model without content rules is fine (and unused).
+        assert!(FilterConfig::parse(with(Some(&model), r#"{"label": "code"}"#).replace(r#","content":{"label":"code"}"#, "").as_bytes()).is_ok());
+        let e = parse_err(&with(None, r#"{"label": "code"}"#));
+        assert_eq!((e.field.as_str(), e.message.as_str()), ("rules[1].match.content", "a `content` condition needs a `content_model`"));
+        let e = parse_err(&with(Some(&model), r#"{"label": "math"}"#));
+        assert_eq!(e.field, "rules[1].match.content.label");
+        assert!(e.message.contains("math") && e.message.contains("code, chat"), "{e}");
+        for bad in ["1.5", "-0.1"] {
+            assert_eq!(parse_err(&with(Some(&model), &format!(r#"{{"label": "code", "min_score": {bad}}}"#))).field, "rules[1].match.content.min_score");
+        }
+        assert!(parse_err(&with(Some(&model), r#"{"label": "code", "score": 1}"#)).message.contains("unknown field `score`"));
+        assert!(parse_err(&with(Some(&model), r#"{"min_score": 0.5}"#)).message.contains("missing field `label`"));
+        // The model's own checks name its fields under `content_model`.
+        let e = parse_err(&with(Some(&model.replace("\"dim\":256", "\"dim\":255")), r#"{"label": "code"}"#));
+        assert_eq!(e.field, "content_model.dim");
+        let e = parse_err(&with(Some(&model.replace("\"code\",\"chat\"", "\"code\",\"code\"")), r#"{"label": "code"}"#));
+        assert_eq!(e.field, "content_model.labels[1]");
     }
 
     #[test]

@@ -90,7 +90,8 @@ impl Frames {
 
 /// A position in a body. The field walk (body.rs) drives it; everything here is the grammar.
 /// After `peek` returns a byte, that byte is `b[i]` (so the walk steps past a bracket with
-/// `i += 1`).
+/// `i += 1`). A copy is a saved position (the content classifier's walk comes back to a value).
+#[derive(Clone, Copy)]
 pub(crate) struct Scanner<'a> {
     /// The segment being read, and the position in it.
     b: &'a [u8],
@@ -223,6 +224,31 @@ impl<'a> Scanner<'a> {
             }
         }
         Cow::Owned(joined)
+    }
+
+    /// The body's bytes `start..end`, in the pieces the segments hold them in, to `f` until it
+    /// returns false (nothing is joined or copied).
+    pub(crate) fn each_slice(&self, start: usize, end: usize, f: &mut dyn FnMut(&[u8]) -> bool) {
+        if self.parts.is_empty() {
+            if let Some(s) = self.b.get(start..end) {
+                f(s);
+            }
+            return;
+        }
+        let mut off = 0usize;
+        for &p in self.parts {
+            let (lo, hi) = (off, off + p.len());
+            off = hi;
+            if hi <= start || p.is_empty() {
+                continue;
+            }
+            if lo >= end {
+                return;
+            }
+            if !f(p.get(start.max(lo) - lo..end.min(hi) - lo).unwrap_or(&[])) {
+                return;
+            }
+        }
     }
 
     /// The next byte that is not JSON whitespace (not consumed).
@@ -380,7 +406,19 @@ impl<'a> Scanner<'a> {
     }
 
     /// A string that is skipped, after its opening quote.
+    #[inline(always)]
     fn skip_string(&mut self) -> Res<()> {
+        self.span_string().map(|_| ())
+    }
+
+    /// A string after its opening quote, its grammar checked as when skipped (not its UTF-8 or
+    /// surrogates: the content classifier reads strings of a body the field walk has read, and
+    /// takes their bytes as bytes): where its contents are, and whether it has escapes (its
+    /// characters are not counted).
+    #[inline(always)]
+    pub(crate) fn span_string(&mut self) -> Res<Str> {
+        let start = self.pos();
+        let mut escaped = false;
         loop {
             let (stop, _) = find_stop::<false>(self.b, self.i);
             self.i = stop;
@@ -391,8 +429,11 @@ impl<'a> Scanner<'a> {
                 return self.bad("unterminated string");
             }
             match self.next_byte() {
-                Some(b'"') => return Ok(()),
-                Some(b'\\') => self.escape(false)?,
+                Some(b'"') => return Ok(Str { start, end: self.pos() - 1, chars: 0, escaped }),
+                Some(b'\\') => {
+                    self.escape(false)?;
+                    escaped = true;
+                }
                 _ => return self.bad("control character in a string"),
             }
         }

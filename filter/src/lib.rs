@@ -11,6 +11,7 @@
 pub mod body;
 pub mod classify;
 pub mod config;
+pub mod content_classifier;
 pub mod header_map;
 pub mod pool_state;
 pub mod prefix_key;

@@ -9,7 +9,7 @@
 //! `pool_state`), so this flow is tested natively.
 
 use crate::body::{parse_body, parse_body_segments, parse_body_keyed, parse_body_segments_keyed, BodyFacts};
-use crate::classify::{classify, Body, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE};
+use crate::classify::{classify, Body, Content, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE};
 use crate::config::{DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX};
 use crate::pool_state::{costs_generation, ReadingError, Verdict, HEADER_POOL_LEVEL};
 use crate::prefix_key::{PrefixKeys, PrefixSpec, HEADER_PREFIX_KEY};
@@ -231,11 +231,12 @@ fn decide_on_headers<'c>(config: &'c FilterConfig, headers: &[(&[u8], &[u8])], e
     let view = View(headers);
     let outcome = classify(config, &view, Body::NotYet);
     let generates = costs_generation(view.get(":method").unwrap_or(""), view.get(":path").unwrap_or(""));
+    // (Without the body no rule gets as far as its content: NeedContent needs the body first.)
     let why = match outcome {
         Outcome::Decided(_) => None,
-        Outcome::NeedBody if end_of_stream => Some(Fallback::Missing),
-        Outcome::NeedBody if !is_json(view.get("content-type")) => Some(Fallback::NotJson),
-        Outcome::NeedBody => match view.get("content-length").map(|v| v.trim().parse::<usize>()) {
+        Outcome::NeedBody | Outcome::NeedContent if end_of_stream => Some(Fallback::Missing),
+        Outcome::NeedBody | Outcome::NeedContent if !is_json(view.get("content-type")) => Some(Fallback::NotJson),
+        Outcome::NeedBody | Outcome::NeedContent => match view.get("content-length").map(|v| v.trim().parse::<usize>()) {
             Some(Ok(0)) => Some(Fallback::Missing),
             Some(Ok(n)) if n > config.max_body_bytes => Some(Fallback::TooLarge),
             _ => None,
@@ -323,8 +324,8 @@ impl Stream {
                 }
                 self.write(cfg, host, &d, generates)
             }
-            (Outcome::NeedBody, generates, Some(why)) => self.decide_now(cfg, host, Body::Unavailable(why), generates),
-            (Outcome::NeedBody, generates, None) => {
+            (Outcome::NeedBody | Outcome::NeedContent, generates, Some(why)) => self.decide_now(cfg, host, Body::Unavailable(why), generates),
+            (Outcome::NeedBody | Outcome::NeedContent, generates, None) => {
                 self.waiting_for_body = true;
                 self.generates = generates;
                 Next::Wait
@@ -408,7 +409,7 @@ impl Stream {
             Ok(parsed) => parsed,
             Err(why) => return self.decide_now(cfg, host, Body::Unavailable(why), generates),
         };
-        let d = match self.classify_now(cfg, host, Body::Parsed(&facts)) {
+        let d = match self.classify_now(cfg, host, Body::Parsed(&facts, Content::NotYet)) {
             Some(d) => d,
             None => return Next::Continue,
         };
@@ -430,12 +431,21 @@ impl Stream {
     }
 
     /// The classifier's decision now that the body is settled (None: it still asks for the body).
-    fn classify_now<'c, H: Host, P: PoolStates>(&mut self, cfg: &'c Accepted<P>, host: &H, body: Body) -> Option<Decision<'c>> {
+    /// A content rule reached asks for the content label: the body's text is classified then,
+    /// once, and the rules tried again with it.
+    fn classify_now<'c, H: Host, P: PoolStates>(&mut self, cfg: &'c Accepted<P>, host: &mut H, body: Body) -> Option<Decision<'c>> {
         self.waiting_for_body = false;
-        let headers = host.request_headers();
-        match classify(&cfg.filter, &View(&headers), body) {
+        let outcome = classify(&cfg.filter, &View(&host.request_headers()), body);
+        let body = match (outcome, body, &cfg.filter.content_model) {
+            (Outcome::Decided(d), _, _) => return Some(d),
+            (Outcome::NeedContent, Body::Parsed(facts, Content::NotYet), Some(model)) => {
+                Body::Parsed(facts, Content::Known(model.classify_body(&host.request_body()).label))
+            }
+            _ => return None,
+        };
+        match classify(&cfg.filter, &View(&host.request_headers()), body) {
             Outcome::Decided(d) => Some(d),
-            Outcome::NeedBody => None,
+            _ => None,
         }
     }
 

@@ -16,7 +16,7 @@
 
 use infermesh_filter::body::{parse_body, parse_body_keyed, parse_body_segments, parse_body_segments_keyed, BodyFacts, MAX_KEPT_STRING};
 use infermesh_filter::prefix_key::{PrefixSpec, MAX_KEYS};
-use infermesh_filter::classify::{classify, Body, Fallback, Outcome, RequestView};
+use infermesh_filter::classify::{classify, Body, Content, Fallback, Outcome, RequestView};
 use infermesh_filter::config::FilterConfig;
 use serde_json::{json, Map, Value};
 #[path = "common/fuzz_rng.rs"]
@@ -478,9 +478,9 @@ fn classifier_never_panics_and_only_yields_configured_pairs() {
         let v = body(&mut r);
         let facts = parse_body(&serde_json::to_vec(&v).unwrap()).unwrap();
         let first = classify(&cfg, &req, Body::NotYet);
-        for b in [Body::Parsed(&facts), Body::Unavailable(*r.pick(&Fallback::ALL))] {
+        for b in [Body::Parsed(&facts, Content::Known(None)), Body::Unavailable(*r.pick(&Fallback::ALL))] {
             match classify(&cfg, &req, b) {
-                Outcome::NeedBody => panic!("seed {s}: asked for the body after it was given"),
+                Outcome::NeedBody | Outcome::NeedContent => panic!("seed {s}: asked for the body after it was given"),
                 Outcome::Decided(d) => {
                     let want_pool = if d.class == "interactive" { "a" } else { "b" };
                     assert_eq!(d.pool, want_pool, "seed {s}");

@@ -746,3 +746,40 @@ fn a_client_cannot_choose_a_replica_by_sending_the_prefix_key() {
     decide(&cfg, &mut h);
     assert_eq!(h.header(HEADER_PREFIX_KEY).map(str::to_string), expected_key(TWO_TURNS));
 }
+
+/// A content rule through the flow: the body buffered, the label computed from the host's
+/// segments (however cut), and the decision written; no text, or another label, falls through.
+#[test]
+fn a_content_rule_decides_on_the_bodys_text() {
+    let rust = (crate::content_classifier::fnv1a(b"wrust") & 255) as usize;
+    let model = crate::content_classifier::tests::model_json(&["chat", "code"], 256, 2, [3, 4], 4096, |b, l| if b == rust && l == 1 { 100 } else { 0 });
+    let config = format!(
+        r#"{{"version": 1, "default_class": "batch", "content_model": {model},
+            "classes": {{"interactive": {{"pool": "interactive"}}, "batch": {{"pool": "batch"}}, "code": {{"pool": "code"}}}},
+            "rules": [
+              {{"name": "code", "class": "code", "match": {{"path": {{"prefix": "/v1/"}}, "content": {{"label": "code", "min_score": 0.6}}}}}},
+              {{"name": "chat", "class": "interactive", "match": {{"path": {{"prefix": "/v1/chat/completions"}}}}}}
+            ]}}"#
+    );
+    let (cfg, _) = module_of(&config);
+    let body = br#"{"model": "m", "messages": [{"role": "user", "content": "my Rust code does not build, rust says E0502"}]}"#;
+    for cut in [0, 1, 40, 70, body.len() - 1] {
+        let mut h = chat(body);
+        h.body_cuts = vec![cut];
+        let mut s = Stream::default();
+        assert_eq!(s.on_request_headers(&cfg, &mut h, false), Next::Wait);
+        assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Continue);
+        assert_eq!((h.header(HEADER_CLASS), h.header(HEADER_RULE)), (Some("code"), Some("code")), "cut at {cut}");
+    }
+    for other in [&br#"{"messages": [{"role": "user", "content": "hello there"}]}"#[..], br#"{"messages": []}"#, b"{not json"] {
+        let mut h = chat(other);
+        let mut s = Stream::default();
+        assert_eq!(s.on_request_headers(&cfg, &mut h, false), Next::Wait);
+        assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Continue);
+        assert_eq!(h.header(HEADER_RULE), Some("chat"), "{}", String::from_utf8_lossy(other));
+    }
+    // gRPC: no JSON body to read, decided on the headers.
+    let mut h = FakeHost::request("POST", "/v1/x.Inference/Generate", &[("content-type", "application/grpc")]);
+    assert_eq!(Stream::default().on_request_headers(&cfg, &mut h, false), Next::Continue);
+    assert_eq!(h.header(HEADER_RULE), Some("default"));
+}
