@@ -25,6 +25,7 @@ shed are in `degraded_routing`) and the filter refuses a config that still does 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -35,7 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infermesh.meshconfig import filter_regex
+from infermesh.meshconfig import content_model as cm, filter_regex
 from infermesh.meshconfig.policy import (RESERVED_RULE_NAMES, TOKEN_MAX_LEN, DegradedRouting, FilterSpec, PolicyError, PoolStateSpec,
                                          PrefixKeySpec, parse_policy)
 from infermesh.settings import LEVEL_DOWN, NAME
@@ -374,6 +375,113 @@ REGEX_BUDGET = {
 }
 
 
+def content_model(labels=("code", "chat"), dim=256, **over) -> dict:
+    """A content model's JSON (docs/content-classes.md), zero weights of the right length, `over` set as given."""
+    obj = {"version": 1, "labels": list(labels), "dim": dim, "word_ngrams": 2, "char_ngrams": [3, 4], "max_text_bytes": 4096,
+           "scale": 0.01, "bias": [0.0] * len(labels), "weights": base64.b64encode(bytes(dim * len(labels))).decode()}
+    return obj | over
+
+
+def content_rule(**content) -> list[dict]:
+    return rule(content=content)
+
+
+def with_model(rules: list[dict] | None = None, **model) -> dict:
+    return {"content_model": content_model(**model)} | ({"rules": rules} if rules is not None else {})
+
+
+LABELS_16 = tuple(f"l{i}" for i in range(16))
+
+# The content classifier (issue 32): a policy's top-level `content_model` and rules' `match.content`
+# (the filter: content_classifier.rs ContentModel::from_raw, config.rs content_match).
+CONTENT_VALID = {
+    "content-rule": with_model(content_rule(label="code", min_score=0.6)),
+    "content-default-score": with_model(content_rule(label="chat")),
+    "content-min-score-int": with_model(content_rule(label="chat", min_score=1)),
+    "content-min-score-zero": with_model(content_rule(label="chat", min_score=0)),
+    "content-with-other-conditions": with_model(rule(methods=["POST"], path={"prefix": "/v1/"}, body={"stream": False},
+                                                     content={"label": "code", "min_score": 0.25})),
+    "content-model-unused": with_model(),
+    "content-model-null": {"content_model": None},
+    "content-model-words-only": with_model(word_ngrams=1, char_ngrams=[0, 0]),
+    "content-model-chars-2-6": with_model(char_ngrams=[2, 6]),
+    "content-model-chars-one-n": with_model(char_ngrams=[5, 5]),
+    "content-model-16-labels": with_model(content_rule(label="l15"), labels=LABELS_16),
+    "content-model-label-64": with_model(content_rule(label="a" * 64), labels=("a" * 64, "b-_9Z")),
+    "content-model-scale-int": with_model(scale=3, bias=[1, -2]),
+    "content-model-tiny-scale": with_model(scale=5e-324),
+}
+CONTENT_INVALID = {
+    "content-no-model": ({"rules": content_rule(label="code")}, "rules.0.match.content"),
+    "content-unknown-label": (with_model(content_rule(label="support")), "rules.0.match.content.label"),
+    "content-min-score-over": (with_model(content_rule(label="code", min_score=1.5)), "rules.0.match.content.min_score"),
+    "content-min-score-negative": (with_model(content_rule(label="code", min_score=-0.1)), "rules.0.match.content.min_score"),
+    "content-min-score-string": (with_model(content_rule(label="code", min_score="high")), "rules.0.match.content.min_score"),
+    "content-min-score-bool": (with_model(content_rule(label="code", min_score=True)), "rules.0.match.content.min_score"),
+    "content-missing-label": (with_model(content_rule(min_score=0.5)), "rules.0.match.content.label"),
+    "content-label-type": (with_model(content_rule(label=1)), "rules.0.match.content.label"),
+    "content-unknown-key": (with_model(content_rule(label="code", score=0.5)), "rules.0.match.content.score"),
+    "content-not-object": (with_model(rule(content="code")), "rules.0.match.content"),
+    "content-second-rule": (with_model([R, {"name": "s", "class": "batch", "match": {"content": {"label": "nope"}}}]),
+                            "rules.1.match.content.label"),
+    "content-model-version": (with_model(version=2), "content_model.version"),
+    "content-model-one-label": ({"content_model": content_model(labels=("code",))}, "content_model.labels"),
+    "content-model-17-labels": ({"content_model": content_model(labels=LABELS_16 + ("l16",))}, "content_model.labels"),
+    "content-model-label-token": ({"content_model": content_model(labels=("code", "chat bot"))}, "content_model.labels.1"),
+    "content-model-label-empty": ({"content_model": content_model(labels=("", "chat"))}, "content_model.labels.0"),
+    "content-model-label-65": ({"content_model": content_model(labels=("code", "a" * 65))}, "content_model.labels.1"),
+    "content-model-label-duplicate": ({"content_model": content_model(labels=("code", "chat", "code"))}, "content_model.labels.2"),
+    "content-model-dim-not-power": (with_model(dim=384), "content_model.dim"),
+    "content-model-dim-type": ({"content_model": content_model() | {"dim": "256"}}, "content_model.dim"),
+    "content-model-char-1": (with_model(char_ngrams=[1, 2]), "content_model.char_ngrams"),
+    "content-model-char-0-3": (with_model(char_ngrams=[0, 3]), "content_model.char_ngrams"),
+    "content-model-char-7": (with_model(char_ngrams=[2, 7]), "content_model.char_ngrams"),
+    "content-model-char-inverted": (with_model(char_ngrams=[4, 3]), "content_model.char_ngrams"),
+    "content-model-char-one": (with_model(char_ngrams=[3]), "content_model.char_ngrams"),
+    "content-model-char-three": (with_model(char_ngrams=[2, 3, 4]), "content_model.char_ngrams"),
+    "content-model-scale-zero": (with_model(scale=0), "content_model.scale"),
+    "content-model-scale-negative": (with_model(scale=-0.5), "content_model.scale"),
+    "content-model-scale-string": (with_model(scale="0.1"), "content_model.scale"),
+    "content-model-bias-short": (with_model(bias=[0.0]), "content_model.bias"),
+    "content-model-bias-long": (with_model(bias=[0.0, 0.0, 0.0]), "content_model.bias"),
+    "content-model-weights-short": (with_model(weights=base64.b64encode(bytes(511)).decode()), "content_model.weights"),
+    "content-model-weights-long": (with_model(weights=base64.b64encode(bytes(513)).decode()), "content_model.weights"),
+    "content-model-weights-alphabet": (with_model(weights="!!!!" * 171), "content_model.weights"),
+    "content-model-weights-unpadded": (with_model(weights=base64.b64encode(bytes(512)).decode().rstrip("=")), "content_model.weights"),
+    "content-model-weights-urlsafe": (with_model(weights=base64.urlsafe_b64encode(b"\xff" * 512).decode()), "content_model.weights"),
+    "content-model-weights-type": (with_model(weights=[0] * 512), "content_model.weights"),
+    "content-model-unknown-field": (with_model(extra=1), "content_model.extra"),
+    "content-model-missing-weights": ({"content_model": {k: v for k, v in content_model().items() if k != "weights"}},
+                                      "content_model.weights"),
+    "content-model-not-object": ({"content_model": "content-model.json"}, "content_model"),
+}
+
+
+def content_bound_cases() -> list[tuple[str, dict, bool, str | None]]:
+    """Each bound of a content model, and min_score's, at its ends and one past them."""
+    out = []
+    for v in (cm.DIM_MIN // 2, cm.DIM_MIN, cm.DIM_MAX, cm.DIM_MAX * 2):
+        # Past the bounds the weights are not looked at (both check dim first): keep them small.
+        ok = cm.DIM_MIN <= v <= cm.DIM_MAX
+        out.append((f"content-bound-dim={v}", with_model(dim=v) if ok else with_model(dim=v, weights=""), ok, None if ok else "content_model.dim"))
+    for v in (cm.MAX_TEXT_MIN - 1, cm.MAX_TEXT_MIN, cm.MAX_TEXT_MAX, cm.MAX_TEXT_MAX + 1):
+        ok = cm.MAX_TEXT_MIN <= v <= cm.MAX_TEXT_MAX
+        out.append((f"content-bound-max_text_bytes={v}", with_model(max_text_bytes=v), ok, None if ok else "content_model.max_text_bytes"))
+    for v in (0, 1, 2, 3):
+        out.append((f"content-bound-word_ngrams={v}", with_model(word_ngrams=v), 1 <= v <= 2, None if 1 <= v <= 2 else "content_model.word_ngrams"))
+    for k in (cm.MIN_LABELS - 1, cm.MIN_LABELS, cm.MAX_LABELS, cm.MAX_LABELS + 1):
+        ok = cm.MIN_LABELS <= k <= cm.MAX_LABELS
+        out.append((f"content-bound-labels={k}", with_model(labels=tuple(f"l{i}" for i in range(k))), ok, None if ok else "content_model.labels"))
+    for lo, hi in ((2, cm.CHAR_NGRAM_MAX), (2, cm.CHAR_NGRAM_MAX + 1), (cm.CHAR_NGRAM_MAX, cm.CHAR_NGRAM_MAX), (1, 1), (0, 0)):
+        ok = (lo, hi) == (0, 0) or 2 <= lo <= hi <= cm.CHAR_NGRAM_MAX
+        out.append((f"content-bound-char_ngrams={lo},{hi}", with_model(char_ngrams=[lo, hi]), ok, None if ok else "content_model.char_ngrams"))
+    for v in (-0.01, 0.0, 1.0, 1.01):
+        ok = 0 <= v <= 1
+        out.append((f"content-bound-min_score={v}", with_model(content_rule(label="code", min_score=v)), ok,
+                    None if ok else "rules.0.match.content.min_score"))
+    return out
+
+
 def corpus() -> list[tuple[str, dict, bool, str | None]]:
     """(id, case, the filter should accept it, the policy's field of the refusal)."""
     out = [(f"valid-{k}", {"rules": v}, True, None) for k, v in VALID.items()]
@@ -386,6 +494,9 @@ def corpus() -> list[tuple[str, dict, bool, str | None]]:
     out += [(f"policy-only-{k}", v, True, f) for k, (v, f) in POLICY_ONLY.items()]
     out += bound_cases()
     out += [(k, {"rules": v}, f is None, f) for k, (v, f) in REGEX_BUDGET.items()]
+    out += [(f"valid-{k}", v, True, None) for k, v in CONTENT_VALID.items()]
+    out += [(k, v, False, f) for k, (v, f) in CONTENT_INVALID.items()]
+    out += content_bound_cases()
     return out
 
 
@@ -400,7 +511,9 @@ def policy_text(case: dict) -> str:
     }
     if "filter" in case:
         doc["filter"] = case["filter"]
-    return yaml.safe_dump(doc, allow_unicode=True, sort_keys=False)
+    if "content_model" in case:
+        doc["content_model"] = case["content_model"]
+    return yaml.safe_dump(doc, allow_unicode=True, sort_keys=False, width=2**30)
 
 
 def filter_json(case: dict) -> str:
@@ -424,6 +537,8 @@ def filter_json(case: dict) -> str:
         pools = {n: {"at_level": wd.get("at_level", at_level), "shed_classes": wd["shed_classes"],
                      "probe_cluster": f"pool_{n}_state" if wd.get("spill_to") else f"pool_{n}"} for n, wd in shedding.items()}
         cfg["degraded_routing"] = {"pools": pools, **PoolStateSpec().model_dump(), **f.get("pool_state", {})}
+    if case.get("content_model") is not None:
+        cfg["content_model"] = case["content_model"]
     return json.dumps(cfg)
 
 
@@ -571,6 +686,22 @@ BRANCHES = {
     "degraded_routing.pools.P.at_level": ["when-degraded-level-zero", f"when-degraded-bound-degraded_routing.pools.*.at_level={LEVEL_DOWN + 1}"],
     "degraded_routing.pools.P.spill_to": ["filter-only-spill-to", "filter-only-spill-to-null", "filter-only-spill-to-self"],
     "degraded_routing.pools.P.shed_classes[i]": ["when-degraded-shed-unknown"],
+    "content_match: no content_model": ["content-no-model"],
+    "content_match: unknown label": ["content-unknown-label", "content-second-rule"],
+    "content_match: min_score": ["content-min-score-over", "content-min-score-negative"],
+    "content_model: version": ["content-model-version"],
+    "content_model: labels": ["content-model-one-label", "content-model-17-labels"],
+    "content_model: labels[i] token": ["content-model-label-token", "content-model-label-empty", "content-model-label-65"],
+    "content_model: labels[i] duplicate": ["content-model-label-duplicate"],
+    "content_model: dim": ["content-model-dim-not-power", "content-bound-dim=128", "content-bound-dim=524288"],
+    "content_model: word_ngrams": ["content-bound-word_ngrams=0", "content-bound-word_ngrams=3"],
+    "content_model: char_ngrams": ["content-model-char-1", "content-model-char-0-3", "content-model-char-7", "content-model-char-inverted",
+                                   "content-model-char-one", "content-model-char-three"],
+    "content_model: max_text_bytes": ["content-bound-max_text_bytes=63", "content-bound-max_text_bytes=65537"],
+    "content_model: scale": ["content-model-scale-zero", "content-model-scale-negative"],
+    "content_model: bias": ["content-model-bias-short", "content-model-bias-long"],
+    "content_model: weights length": ["content-model-weights-short", "content-model-weights-long"],
+    "content_model: weights base64": ["content-model-weights-alphabet", "content-model-weights-unpadded", "content-model-weights-urlsafe"],
 }
 
 
