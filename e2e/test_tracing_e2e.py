@@ -7,8 +7,9 @@ bootstrap with tracing on (MeshListener.tracing: meshconfig/tracing.py's parts).
 and a client `traceparent` must come back as one trace in the collector's file: Envoy's server
 span (the filter's class, rule and pool as tags) and its upstream attempt, the sidecar's span
 (GenAI attributes, class, pool, served_by) with its queue, prefill and decode, and vLLM's own
-`llm_request`, each the child of the one before, every one with a duration. A chat spilled to the
-batch pool (the interactive pool down to critical-only) shows as spilled.
+`llm_request`, each the child of the one before, every one with a duration; a gRPC Generate
+likewise, its context in the call's metadata. A chat spilled to the batch pool (the interactive
+pool down to critical-only) shows as spilled.
 
 The local mesh's own Envoy (over the control plane) runs beside it untraced: the policy model
 carries no `tracing` yet (docs/tracing.md, "What is left"), so the traced Envoy runs the static
@@ -25,6 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -35,6 +37,8 @@ from infermesh.launcher import LocalMesh, free_ports, plan_on_free_ports, wait_u
 from infermesh.meshconfig.envoy_bootstrap import bootstrap
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.settings import TracingSettings
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
+from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
 from .conftest import E2E_POLICY
 
@@ -176,6 +180,14 @@ def show(spans: list[dict]) -> None:
         print(f"[trace] {'  ' * depth(s)}{s['service']}: {s['name']} {s['ms']:.1f} ms")
 
 
+def start(span: dict) -> int:
+    return int(span["startTimeUnixNano"])
+
+
+def end(span: dict) -> int:
+    return int(span["endTimeUnixNano"])
+
+
 def one(spans: list[dict], pred) -> dict:
     found = [s for s in spans if pred(s)]
     assert len(found) == 1, [(s["service"], s["name"]) for s in spans]
@@ -209,10 +221,35 @@ def test_a_chat_is_one_trace_from_envoy_through_the_sidecar_to_vllm(collector, t
     vllm = one(spans, lambda s: s["name"] == "llm_request")
     assert vllm["parentSpanId"] == sidecar["spanId"] and vllm["service"] == "vllm", "vLLM's own span joins under the sidecar's"
     assert int(vllm["attrs"]["gen_ai.usage.completion_tokens"]) == int(a["gen_ai.usage.output_tokens"])
-    # Every hop has its duration, each inside the one above it.
+    # Every hop has its duration and starts inside the one above it; the last token came before
+    # Envoy's attempt ended (the sidecar's span itself ends at the request's release, just after
+    # its last byte went out, so it may outlast the attempt by a moment).
     assert all(s["ms"] > 0 for s in (edge, attempt, sidecar, vllm))
-    assert edge["ms"] >= attempt["ms"] >= sidecar["ms"]
-    assert int(sidecar["startTimeUnixNano"]) >= int(attempt["startTimeUnixNano"])
+    decode = one(spans, lambda s: s["name"] == "infermesh.decode")
+    assert start(edge) <= start(attempt) <= start(sidecar) <= start(vllm)
+    assert end(decode) <= end(attempt) <= end(edge)
+
+
+def test_a_grpc_generate_carries_the_trace_in_its_metadata(collector, traced):
+    """gRPC through the same listener: the client's traceparent in the call's metadata, Envoy's
+    attempt's in the sidecar's, and the sidecar's handed to vLLM."""
+    _, base = traced
+    header, trace_id, client_span = traceparent()
+    with grpc.insecure_channel(base.removeprefix("http://")) as ch:
+        msgs = list(pb_grpc.InferenceStub(ch).Generate(
+            pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hi")]), max_tokens=6, temperature=0),
+            metadata=(("traceparent", header),), timeout=60))
+    assert msgs[-1].final.usage.completion_tokens == 6
+    # Named `{operation} {requested model}`, and this call names no model.
+    spans = whole_trace(collector, trace_id, {"chat", "infermesh.decode", "llm_request"})
+    show(spans)
+    edge = one(spans, lambda s: s["service"] == "infermesh-envoy" and s["kind"] == SERVER)
+    assert edge["parentSpanId"] == client_span and edge["attrs"]["infermesh.rule"] == "grpc-generate"
+    sidecar = one(spans, lambda s: s["service"] == "infermesh-sidecar" and s["kind"] == SERVER)
+    a = sidecar["attrs"]
+    assert a["infermesh.front"] == "grpc" and a["infermesh.status"] == "OK" and int(a["gen_ai.usage.output_tokens"]) == 6
+    assert a["infermesh.rule"] == "grpc-generate" and a["infermesh.class"] == "interactive"
+    assert one(spans, lambda s: s["name"] == "llm_request")["parentSpanId"] == sidecar["spanId"]
 
 
 def test_a_spilled_chat_shows_as_spilled(collector, traced):
