@@ -28,7 +28,9 @@ _spec.loader.exec_module(_gen)
 PACKAGES = {"infermesh.meshconfig": REPO / "mesh-config" / "meshconfig", "infermesh.sidecar": REPO / "sidecar",
             "infermesh": REPO / "infermesh"}
 SIDECAR_MAY_IMPORT = {"infermesh.meshconfig.policy"}
-POLICY_MAY_IMPORT = {"infermesh.meshconfig.filter_regex"}
+# The policy model's own leaves: the regex dialect and the content model (issue 32), which import
+# nothing of meshconfig themselves.
+POLICY_MAY_IMPORT = {"infermesh.meshconfig.filter_regex", "infermesh.meshconfig.content_model"}
 
 
 def module_files(package: str) -> dict[str, Path]:
