@@ -46,7 +46,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             if not (sep and pool and spec):
                 raise LaunchError(f"--cpus {item!r}: expected POOL=CPUS, e.g. --cpus interactive=0 --cpus batch=1")
             cores[pool] = spec
-        mesh = LocalMesh(plan, run_dir, cpu_cores=cores, pin_tree=bool(cores), proxy_cores=args.proxy_cpus)
+        mesh = LocalMesh(plan, run_dir, cpu_cores=cores, pin_tree=bool(cores), proxy_cores=args.proxy_cpus, observe=args.observe)
     except LaunchError as e:
         say(str(e))
         if not args.run_dir:
@@ -87,6 +87,10 @@ Edit {plan.policy_path} and the change reaches Envoy within a second. Ctrl-C sto
 """,
         flush=True,
     )
+    if mesh.prometheus is not None:
+        print(f"""Prometheus: {mesh.prometheus.url}   (Envoy, the control plane and every sidecar, every {mesh.prometheus.interval};
+  the queries of the chart's dashboards: docs/observability.md; Envoy's access log: {mesh.access_log})
+""", flush=True)
     try:
         while True:
             for c in mesh.children:
@@ -230,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run POOL's sidecar, its whole process tree (front, vLLM's engine core and workers), only on "
                          "CPUS (0, 1, 0-1, 0,2-3), as a GPU pool of its own; POOL.N for one replica; once per pool")
     up.add_argument("--proxy-cpus", metavar="CPUS", help="CPUs for Envoy and the control plane (default: any)")
+    up.add_argument("--observe", action="store_true",
+                    help="also run a Prometheus on 127.0.0.1 scraping the whole mesh (Debian's prometheus; docs/observability.md) and print its URL")
     up.set_defaults(func=_cmd_up)
 
     from .drill import SCENARIOS

@@ -29,6 +29,7 @@ from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.xds_server import xds_bootstrap
 
 from . import paths
+from .observe import Prometheus, PrometheusError, binary, mesh_targets, sidecar_pod
 
 
 class LaunchError(RuntimeError):
@@ -161,8 +162,12 @@ def _http_ok(url: str, timeout: float = 1.0) -> bool:
 
 class LocalMesh:
     def __init__(self, plan: LocalMeshPlan, run_dir: Path, models_dir: Path | None = None, wasm: Path | None = None,
-                 native_module: Path | None = None, cpu_cores: dict[str, str] | None = None, pin_tree: bool = False, proxy_cores: str | None = None):
+                 native_module: Path | None = None, cpu_cores: dict[str, str] | None = None, pin_tree: bool = False, proxy_cores: str | None = None,
+                 observe: bool = False):
         self.plan = plan
+        self.observe = observe
+        """Also start a Prometheus of the mesh's own once it is up (`start_prometheus`)."""
+        self.prometheus: Prometheus | None = None
         # Pool (or `pool.N`, one replica) -> the CPU ids its vLLM engines bind their OpenMP threads
         # to (VLLM_CPU_OMP_THREADS_BIND: `0`, `1`, `0-1`), so pools sharing one machine stop
         # competing for cores as separate GPU pools would; a pool left out keeps vLLM's own binding.
@@ -235,8 +240,9 @@ class LocalMesh:
 
     @staticmethod
     def sidecar_name(pool: str, replica: int = 0) -> str:
-        """The child's name: `sidecar-POOL` for the first replica, `sidecar-POOL.N` after it."""
-        return f"sidecar-{pool}" if replica == 0 else f"sidecar-{pool}.{replica}"
+        """The child's name: `sidecar-POOL` for the first replica, `sidecar-POOL.N` after it (and
+        its `pod` label in the mesh's Prometheus)."""
+        return sidecar_pod(pool, replica)
 
     @property
     def access_log(self) -> Path:
@@ -257,6 +263,11 @@ class LocalMesh:
             if self.plan.policy.filter.runtime == "native":
                 raise LaunchError(str(e)) from e
             envoy_env = {}
+        if self.observe:
+            try:
+                binary()  # before any process starts
+            except PrometheusError as e:
+                raise LaunchError(str(e)) from e
         if self.plan.policy.filter.runtime == "native" and not self.native_module.exists():
             raise LaunchError(f"filter.runtime: native, and the module is not built: {self.native_module} is missing "
                               "(run scripts/build-native-filter.sh)")
@@ -298,8 +309,9 @@ class LocalMesh:
         envoy = paths.envoy_binary()
         self._spawn(
             "envoy",
+            # The access log reaches its file within half a second (Envoy's default: 10 s).
             [str(envoy), "-c", str(bootstrap), "--use-dynamic-base-id", "--concurrency", "2", "--log-level", "warn",
-             "--drain-time-s", "1", "--parent-shutdown-time-s", "2"],
+             "--drain-time-s", "1", "--parent-shutdown-time-s", "2", "--file-flush-interval-msec", "500"],
             envoy_env or None, cpus=self.proxy_cores,
         )
         progress(f"envoy: starting (listener :{self.plan.listen_port}, admin 127.0.0.1:{self.plan.admin_port})")
@@ -307,9 +319,22 @@ class LocalMesh:
             self.wait_ready({c.name for c in self.children}, timeout, progress)
             # Ready means Envoy routes to every pool: its health checks must have seen them.
             wait_until(self.envoy_sees_every_pool, 30, every=0.1, what="Envoy's health checks to pass for every pool")
+            if self.observe:
+                self.start_prometheus()
+                progress(f"prometheus: {self.prometheus.url} (scraping Envoy, the control plane and every sidecar every {self.prometheus.interval})")
         except (LaunchError, TimeoutError) as e:
             self.stop()
             raise LaunchError(str(e)) from e
+
+    def start_prometheus(self, port: int = 0, timeout: float = 30.0) -> Prometheus:
+        """A Prometheus on 127.0.0.1 (`port`, 0: a free one) scraping every process of the mesh
+        (infermesh/observe.py), started as one of the mesh's children: it stops with the mesh, or
+        with `stop_child("prometheus")`. Its config and storage are in RUN_DIR/prometheus."""
+        self.prometheus = Prometheus(self.run_dir / "prometheus", port or free_ports(1)[0], mesh_targets(self.plan))
+        self.prometheus.write_config()
+        self._spawn("prometheus", self.prometheus.argv(), cpus=self.proxy_cores)
+        self.wait_ready({"prometheus"}, timeout)
+        return self.prometheus
 
     def wait_ready(self, names: set[str], timeout: float, progress: Callable[[str], None] = lambda s: None) -> None:
         """Wait until every named child is ready; LaunchError if one exits or time runs out."""
@@ -360,10 +385,24 @@ class LocalMesh:
                 return False
         if name == "envoy":
             return _http_ok(f"http://127.0.0.1:{self.plan.admin_port}/ready")
+        if name == "prometheus":
+            return self.prometheus is not None and self.prometheus.ready()
         p = next(p for p in self.plan.pools if self.sidecar_name(p.name, p.replica) == name)
         return _http_ok(f"http://{self.plan.host}:{p.http_port}/health")
 
     # -- stop -------------------------------------------------------------------------------
+
+    def stop_child(self, name: str, grace: float = 5.0) -> None:
+        """Stop one child (SIGTERM, SIGKILL after `grace` s) and forget it."""
+        c = self.child(name)
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+        try:
+            c.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+        self.children.remove(c)
 
     def stop(self, grace: float = 25.0) -> None:
         # Envoy first (no new traffic), then the control plane, then the sidecars drain in parallel.
