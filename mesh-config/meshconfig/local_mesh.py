@@ -105,4 +105,5 @@ class LocalMeshPlan:
             failover=self.policy.failover(),
             spill_levels=self.policy.spill_levels(),
             routing=Routing.from_policy(self.policy),
+            tracing=self.policy.tracing,
         )

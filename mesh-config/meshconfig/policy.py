@@ -68,7 +68,7 @@ from pydantic import (AfterValidator, ConfigDict, Field, StrictBool, StrictInt, 
                       WithJsonSchema, field_validator, model_validator)
 
 from infermesh.settings import (GRPC_PORT, HTTP_PORT, LEVEL_DOWN, NAME, ClassSettings, ModelSettings, PoolSettings, ServingSettings,
-                                Strict, check_ladder)
+                                Strict, TracingSettings, check_ladder)
 
 from . import content_model as cm
 from .filter_regex import SIZE_LIMIT as REGEX_SIZE_LIMIT, regex_error, size_limit as regex_size_limit
@@ -495,6 +495,9 @@ class Policy(Strict):
     content_model: Annotated[Any, WithJsonSchema(_CONTENT_MODEL_SCHEMA)] = None
     """The content classifier that rules' `match.content` ask (cm.ContentModel once validated)."""
     filter: FilterSpec = FilterSpec()
+    tracing: TracingSettings = TracingSettings()
+    """OpenTelemetry traces of the mesh's requests: Envoy, every sidecar and vLLM export to one
+    OTLP endpoint (docs/tracing.md); off by default."""
     pools: Annotated[dict[Annotated[str, Field(pattern=NAME)], PoolSpec], Field(min_length=1)]
 
     @model_validator(mode="after")
@@ -647,6 +650,7 @@ class Policy(Strict):
             "breakers": {n: b.model_dump() for n, b in p.breakers.items()},
             "standby": p.standby,
             "monitor": p.monitor.model_dump(),
+            "tracing": self.tracing.model_dump(),
         }
 
 

@@ -186,6 +186,7 @@ def mesh_listener(policy: Policy, target: MeshTarget) -> MeshListener:
         failover=policy.failover(),
         spill_levels=policy.spill_levels(),
         routing=Routing.from_policy(policy),
+        tracing=policy.tracing,
     )
 
 

@@ -80,3 +80,19 @@ def test_the_control_plane_serves_no_tracing_while_the_policy_has_none():
     target = MeshTarget("127.0.0.1", 8080, Path("/x.wasm"), {"interactive": ("127.0.0.1", 8101, 8201), "batch": ("127.0.0.1", 8102, 8202)})
     snap = build_snapshot(load_policy(LOCAL_POLICY), target)
     assert "opentelemetry" not in str(snap.resources)
+
+
+def test_a_policy_with_tracing_traces_in_envoy_the_control_plane_and_every_sidecar(tmp_path):
+    from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy
+    from infermesh.meshconfig.xds_snapshot import MeshTarget
+    from infermesh.sidecar.config import SidecarConfig
+
+    path = tmp_path / "policy.yaml"
+    path.write_text(LOCAL_POLICY.read_text() + "tracing: {otlp_endpoint: 127.0.0.1:4317, sample_ratio: 0.25}\n")
+    policy = load_policy(path)
+    assert policy.tracing == ON
+    target = MeshTarget("127.0.0.1", 8080, Path("/x.wasm"), {"interactive": ("127.0.0.1", 8101, 8201), "batch": ("127.0.0.1", 8102, 8202)})
+    assert "opentelemetry" in str(build_snapshot(policy, target).resources)
+    assert LocalMeshPlan(policy=policy).listener(Path("/x.wasm")).tracing == ON
+    for pool in policy.pools:
+        assert SidecarConfig.model_validate(policy.sidecar_config(pool, tmp_path)).tracing == ON
