@@ -15,6 +15,7 @@ pub mod content_classifier;
 pub mod header_map;
 pub mod pool_state;
 pub mod prefix_key;
+pub mod prefix_table;
 pub mod process_pool_table;
 pub mod request_flow;
 pub mod shared_pool_table;
