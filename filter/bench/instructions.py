@@ -109,6 +109,27 @@ def _no_probes(cfg: dict) -> None:
     conf["value"] = json.dumps(fc, separators=(",", ":"), sort_keys=True)
 
 
+def _content(chars: list[int]):
+    """A content rule first on the chat path (content_classifier.rs, docs/content-classes.md),
+    with a model of 16 labels, dim 16384, words 1-2 and `chars`, read up to 4 KB: every chat
+    request's text is classified (the rule then falls through: its score is out of reach)."""
+    def change(cfg: dict) -> None:
+        import base64
+        import random
+
+        conf = _wasm(cfg)["configuration"]
+        fc = json.loads(conf["value"])
+        labels = [f"label{i}" for i in range(16)]
+        weights = random.Random(0).randbytes(16384 * len(labels))
+        fc["content_model"] = {"version": 1, "labels": labels, "dim": 16384, "word_ngrams": 2, "char_ngrams": chars,
+                               "max_text_bytes": 4096, "scale": 0.01, "bias": [0.0] * len(labels),
+                               "weights": base64.b64encode(weights).decode()}
+        fc["rules"].insert(0, {"name": "content", "class": "interactive",
+                               "match": {"path": {"prefix": "/v1/chat/completions"}, "content": {"label": "label1", "min_score": 1.0}}})
+        conf["value"] = json.dumps(fc, separators=(",", ":"), sort_keys=True)
+    return change
+
+
 def _istio_hcm(cfg: dict) -> dict:
     (hcm,) = [f["typed_config"] for fc in cfg["static_resources"]["listeners"][0]["filter_chains"] for f in fc["filters"]
               if f["name"] == "envoy.filters.network.http_connection_manager"]
@@ -239,6 +260,8 @@ PROFILE = {
     "headers-degraded-no-checks": ("headers-degraded", _no_health_checks),
     "headers-degraded-no-timers": ("headers-degraded", lambda cfg: (_no_health_checks(cfg), _no_probes(cfg))),
     "headers-only-keep-level": ("headers-only", _keep_level_header),
+    "body-content-chars": ("body", _content([3, 4])),
+    "body-content-words": ("body", _content([0, 0])),
     **{f"body-{part}": ("body", SKIPS[part]) for part in ("no-pause", "no-copy", "no-scan", "no-write")},
     **ISTIO_PROFILE,
 }

@@ -67,7 +67,8 @@ pub struct ContentModel {
     pub scale: f64,
     pub bias: Vec<f64>,
     stride: usize,
-    rows: Vec<i8>,
+    /// Each weight + 128 (0..=255), so that rows sum as unsigned lanes (`Sums::flush`).
+    rows: Vec<u8>,
 }
 
 impl fmt::Debug for ContentModel {
@@ -182,10 +183,10 @@ impl ContentModel {
             None => return bad("weights", "must be standard base64 (with padding)".to_string()),
         };
         let stride = labels.next_power_of_two().max(4);
-        let mut rows = vec![0i8; dim * stride];
+        let mut rows = vec![0x80u8; dim * stride];
         for (row, w) in rows.chunks_exact_mut(stride).zip(weights.chunks_exact(labels)) {
             for (slot, &x) in row.iter_mut().zip(w) {
-                *slot = x as i8;
+                *slot = x ^ 0x80;
             }
         }
         Ok(ContentModel {
@@ -203,7 +204,7 @@ impl ContentModel {
 
     /// The weight of bucket `b`, label `l` (as the model file holds it).
     pub fn weight(&self, bucket: usize, label: usize) -> Option<i8> {
-        self.rows.get(bucket * self.stride + label).copied()
+        self.rows.get(bucket * self.stride + label).map(|&w| (w ^ 0x80) as i8)
     }
 
     /// The index of a label.
@@ -267,7 +268,7 @@ const TOKEN_BYTE: [u8; 256] = {
 
 /// The token being read: whether there is one, its word hash so far (`w` ++ bytes), the last 8
 /// bytes of `<` ++ token (newest lowest) and how many bytes that has; the previous token's word
-/// hash (for the bigram). Copied into locals while a run of bytes is read (registers).
+/// hash (for the bigram).
 #[derive(Clone, Copy)]
 struct Token {
     in_token: bool,
@@ -277,16 +278,194 @@ struct Token {
     prev: Option<u32>,
 }
 
-/// The running sums of one text: fixed-size, no allocation. Feed it the text's pieces
-/// (`piece`, then `feed` as often as the bytes come); `finish` scores.
-pub struct Features<'m> {
-    model: &'m ContentModel,
+/// A model's feature settings, copied where the bytes are read (registers, not reloads).
+#[derive(Clone, Copy)]
+struct Params {
+    lo: u8,
+    hi: u8,
+    mask: u32,
+    bigrams: bool,
+}
+
+/// The sums so far, and the features waiting to be added to them: their rows' offsets, summed
+/// a batch at a time (the batch's sums then stay in vector registers).
+struct Sums {
     /// Per label, the sum of its weights over the features so far. At most 65536 bytes of text
     /// give fewer than 7 features a byte, each at most 128 in size: far inside an i32.
     sums: [i32; MAX_LABELS],
     n: u32,
-    pending: [u32; BATCH],
-    pending_len: usize,
+    /// Twice a batch: a byte's features (at most 2 + 6 + 5) always fit after a batch's worth
+    /// minus one, so `emit` writes unchecked (masked) and a byte flushes once, when full.
+    pending: [u32; 2 * BATCH],
+    len: usize,
+}
+
+impl Sums {
+    #[inline(always)]
+    fn emit<const S: usize>(&mut self, mask: u32, h: u32) {
+        self.pending[self.len % (2 * BATCH)] = (h & mask) * S as u32;
+        self.len += 1;
+    }
+
+    /// Flush when a batch is full (once a byte, after its features).
+    #[inline(always)]
+    fn room<const S: usize>(&mut self, rows: &[u8]) {
+        if self.len >= BATCH {
+            self.flush::<S>(rows);
+        }
+    }
+
+    /// Sum the pending features' rows, four lanes to a word: each biased weight (0..=255) into
+    /// a 16-bit lane of a u64 (even and odd bytes apart; a batch is at most 64 + 17 rows, and
+    /// 81 × 255 < 65536), then the bias (128 a row) taken off in the i32 sums. Portable: 4
+    /// labels an add on any target.
+    #[inline(never)]
+    fn flush<const S: usize>(&mut self, rows: &[u8]) {
+        const EVEN: u64 = 0x00ff_00ff_00ff_00ff;
+        let mut even = [0u64; 2];
+        let mut odd = [0u64; 2];
+        for &at in self.pending.iter().take(self.len) {
+            let at = at as usize;
+            if let Some(row) = rows.get(at..at + S) {
+                for (w, chunk) in row.chunks(8).enumerate().take(2) {
+                    let mut b = [0u8; 8];
+                    for (d, &x) in b.iter_mut().zip(chunk) {
+                        *d = x;
+                    }
+                    let x = u64::from_le_bytes(b);
+                    even[w] += x & EVEN;
+                    odd[w] += (x >> 8) & EVEN;
+                }
+            }
+        }
+        let bias = 128 * self.len as i32;
+        for (l, s) in self.sums.iter_mut().enumerate().take(S) {
+            let (w, lane) = (l / 8, (l % 8) / 2);
+            let word = if l % 2 == 0 { even[w % 2] } else { odd[w % 2] };
+            *s += ((word >> (16 * lane)) & 0xffff) as i32 - bias;
+        }
+        self.n += self.len as u32;
+        self.len = 0;
+    }
+}
+
+/// Bytes of text into features (`S`: the model's row stride; `HI`: the longest character
+/// n-gram, 0 for none, so the hash chains unroll). The character n-grams are hashed by where
+/// they start: once `HI` bytes of `p` = `<` ++ token ++ `>` follow a start, one FNV chain over
+/// them gives every length from `lo` to `HI` (`HI` steps a byte, not lo + ... + HI); the starts
+/// nearer the token's end than `HI` are hashed when it ends.
+#[inline(never)]
+fn tokens<const S: usize, const HI: u8>(p: Params, token: &mut Token, out: &mut Sums, rows: &[u8], bytes: &[u8]) {
+    let mut t = *token;
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        i += 1;
+        let mut c = TOKEN_BYTE[usize::from(b)];
+        if c == 0 {
+            if t.in_token {
+                end_token::<S, HI>(p, &mut t, out);
+                out.room::<S>(rows);
+            }
+            continue;
+        }
+        if !t.in_token {
+            t.in_token = true;
+            t.word = fnv_step(FNV_BASIS, b'w');
+            t.window = u64::from(b'<');
+            t.p_len = 1;
+        }
+        // The token's bytes, in a loop of their own.
+        loop {
+            t.word = fnv_step(t.word, c);
+            if HI != 0 {
+                push::<S, HI>(p, &mut t, out, c);
+                out.room::<S>(rows);
+            }
+            match bytes.get(i) {
+                Some(&b) if TOKEN_BYTE[usize::from(b)] != 0 => {
+                    c = TOKEN_BYTE[usize::from(b)];
+                    i += 1;
+                }
+                _ => break,
+            }
+        }
+    }
+    *token = t;
+}
+
+/// The next byte of `p`, and the n-grams that start `HI` bytes before its end.
+#[inline(always)]
+fn push<const S: usize, const HI: u8>(p: Params, t: &mut Token, out: &mut Sums, c: u8) {
+    t.window = t.window << 8 | u64::from(c);
+    t.p_len += 1;
+    if HI != 0 && t.p_len >= u32::from(HI) {
+        grams_from::<S>(p, t.window, HI, HI, out);
+    }
+}
+
+/// The n-grams (lo <= n <= len) that start `back` bytes before the window's end.
+#[inline(always)]
+fn grams_from<const S: usize>(p: Params, window: u64, back: u8, len: u8, out: &mut Sums) {
+    let mut h = fnv_step(FNV_BASIS, b'c');
+    for k in 0..len {
+        h = fnv_step(h, (window >> (8 * u32::from(back - 1 - k))) as u8);
+        if k + 1 >= p.lo {
+            out.emit::<S>(p.mask, h);
+        }
+    }
+}
+
+#[inline(always)]
+fn end_token<const S: usize, const HI: u8>(p: Params, t: &mut Token, out: &mut Sums) {
+    t.in_token = false;
+    if HI != 0 {
+        push::<S, HI>(p, t, out, b'>');
+        // The starts fewer than `HI` bytes before the end: each with the lengths it has room for.
+        let last = t.p_len.min(u32::from(HI) - 1) as u8;
+        for back in (p.lo..=last).rev() {
+            grams_from::<S>(p, t.window, back, back, out);
+        }
+    }
+    let u = t.word;
+    out.emit::<S>(p.mask, u);
+    if p.bigrams {
+        if let Some(prev) = t.prev {
+            out.emit::<S>(p.mask, bigram(prev, u));
+        }
+    }
+    t.prev = Some(u);
+}
+
+/// `tokens` for the model's stride and longest n-gram.
+fn tokens_for<const S: usize>(p: Params, token: &mut Token, out: &mut Sums, rows: &[u8], bytes: &[u8]) {
+    match p.hi {
+        0 => tokens::<S, 0>(p, token, out, rows, bytes),
+        2 => tokens::<S, 2>(p, token, out, rows, bytes),
+        3 => tokens::<S, 3>(p, token, out, rows, bytes),
+        4 => tokens::<S, 4>(p, token, out, rows, bytes),
+        5 => tokens::<S, 5>(p, token, out, rows, bytes),
+        _ => tokens::<S, 6>(p, token, out, rows, bytes),
+    }
+}
+
+/// `end_token` for the model's longest n-gram.
+fn end_token_for<const S: usize>(p: Params, t: &mut Token, out: &mut Sums) {
+    match p.hi {
+        0 => end_token::<S, 0>(p, t, out),
+        2 => end_token::<S, 2>(p, t, out),
+        3 => end_token::<S, 3>(p, t, out),
+        4 => end_token::<S, 4>(p, t, out),
+        5 => end_token::<S, 5>(p, t, out),
+        _ => end_token::<S, 6>(p, t, out),
+    }
+}
+
+/// The running sums of one text: fixed-size, no allocation. Feed it the text's pieces
+/// (`piece`, then `feed` as often as the bytes come); `finish` scores.
+pub struct Features<'m> {
+    model: &'m ContentModel,
+    params: Params,
+    out: Sums,
     /// Bytes of text taken (the cut: `max_text_bytes`) and whether a piece came before.
     taken: usize,
     started: bool,
@@ -295,12 +474,11 @@ pub struct Features<'m> {
 
 impl<'m> Features<'m> {
     pub fn new(model: &'m ContentModel) -> Features<'m> {
+        let (lo, hi) = model.char_ngrams;
         Features {
             model,
-            sums: [0; MAX_LABELS],
-            n: 0,
-            pending: [0; BATCH],
-            pending_len: 0,
+            params: Params { lo, hi, mask: model.dim - 1, bigrams: model.word_ngrams == 2 },
+            out: Sums { sums: [0; MAX_LABELS], n: 0, pending: [0; 2 * BATCH], len: 0 },
             taken: 0,
             started: false,
             token: Token { in_token: false, word: 0, window: 0, p_len: 0, prev: None },
@@ -325,113 +503,12 @@ impl<'m> Features<'m> {
         let room = self.model.max_text_bytes.saturating_sub(self.taken);
         let bytes = bytes.get(..room.min(bytes.len())).unwrap_or(&[]);
         self.taken += bytes.len();
+        let (p, rows) = (self.params, &self.model.rows[..]);
         match self.model.stride {
-            16 => self.tokens::<16>(bytes),
-            8 => self.tokens::<8>(bytes),
-            _ => self.tokens::<4>(bytes),
+            16 => tokens_for::<16>(p, &mut self.token, &mut self.out, rows, bytes),
+            8 => tokens_for::<8>(p, &mut self.token, &mut self.out, rows, bytes),
+            _ => tokens_for::<4>(p, &mut self.token, &mut self.out, rows, bytes),
         }
-    }
-
-    #[inline(always)]
-    fn tokens<const S: usize>(&mut self, bytes: &[u8]) {
-        let mut t = self.token;
-        for &b in bytes {
-            let c = TOKEN_BYTE[usize::from(b)];
-            if c != 0 {
-                if !t.in_token {
-                    t.in_token = true;
-                    t.word = fnv_step(FNV_BASIS, b'w');
-                    t.window = u64::from(b'<');
-                    t.p_len = 1;
-                }
-                t.word = fnv_step(t.word, c);
-                self.push::<S>(&mut t, c);
-            } else if t.in_token {
-                self.end_token::<S>(&mut t);
-            }
-        }
-        self.token = t;
-    }
-
-    /// The next byte of `p` = `<` ++ token ++ `>`. The character n-grams are hashed by where they
-    /// start: once `hi` bytes follow a start, one FNV chain over them gives every length from
-    /// `lo` to `hi` (so `hi` steps a byte, not lo + ... + hi); the starts nearer the token's end
-    /// than `hi` are hashed when it ends.
-    #[inline(always)]
-    fn push<const S: usize>(&mut self, t: &mut Token, c: u8) {
-        t.window = t.window << 8 | u64::from(c);
-        t.p_len += 1;
-        let (lo, hi) = self.model.char_ngrams;
-        if hi != 0 && t.p_len >= u32::from(hi) {
-            self.grams_from::<S>(t.window, hi, lo, hi);
-        }
-    }
-
-    /// The n-grams (lo <= n <= len) that start `back` bytes before the window's end.
-    #[inline(always)]
-    fn grams_from<const S: usize>(&mut self, window: u64, back: u8, lo: u8, len: u8) {
-        let mut h = fnv_step(FNV_BASIS, b'c');
-        for k in 0..len {
-            h = fnv_step(h, (window >> (8 * u32::from(back - 1 - k))) as u8);
-            if k + 1 >= lo {
-                self.emit::<S>(h);
-            }
-        }
-    }
-
-    #[inline(always)]
-    fn end_token<const S: usize>(&mut self, t: &mut Token) {
-        t.in_token = false;
-        self.push::<S>(t, b'>');
-        let (lo, hi) = self.model.char_ngrams;
-        if hi != 0 {
-            // The starts fewer than `hi` bytes before the end: each with the lengths it has room for.
-            let p = t.p_len.min(u32::from(hi) - 1) as u8;
-            for back in (lo..=p).rev() {
-                self.grams_from::<S>(t.window, back, lo, back);
-            }
-        }
-        let u = t.word;
-        self.emit::<S>(u);
-        if self.model.word_ngrams == 2 {
-            if let Some(p) = t.prev {
-                self.emit::<S>(bigram(p, u));
-            }
-        }
-        t.prev = Some(u);
-    }
-
-    #[inline(always)]
-    fn emit<const S: usize>(&mut self, h: u32) {
-        if let Some(slot) = self.pending.get_mut(self.pending_len) {
-            *slot = (h & (self.model.dim - 1)) * S as u32;
-            self.pending_len += 1;
-        }
-        if self.pending_len == BATCH {
-            self.flush::<S>();
-        }
-    }
-
-    /// Sum the pending features' rows: a batch of at most 64 rows of int8 fits i16 lanes
-    /// (64 × 128), which a vector adds 8 or 16 at a time; then into the i32 sums.
-    #[inline(never)]
-    #[cfg_attr(target_arch = "wasm32", target_feature(enable = "simd128"))]
-    fn flush<const S: usize>(&mut self) {
-        let rows: &[i8] = &self.model.rows;
-        let mut acc = [0i16; S];
-        for &at in self.pending.iter().take(self.pending_len) {
-            let at = at as usize;
-            if let Some(row) = rows.get(at..at + S).and_then(|r| <&[i8; S]>::try_from(r).ok()) {
-                for (a, &w) in acc.iter_mut().zip(row.iter()) {
-                    *a += i16::from(w);
-                }
-            }
-        }
-        for (s, a) in self.sums.iter_mut().zip(acc.iter()) {
-            *s += i32::from(*a);
-        }
-        self.n += self.pending_len as u32;
-        self.pending_len = 0;
     }
 
     /// The text ended: the features of its last token, all summed.
@@ -444,23 +521,22 @@ impl<'m> Features<'m> {
     }
 
     fn close_with<const S: usize>(&mut self) {
-        let mut t = self.token;
-        if t.in_token {
-            self.end_token::<S>(&mut t);
+        let rows = &self.model.rows[..];
+        if self.token.in_token {
+            end_token_for::<S>(self.params, &mut self.token, &mut self.out);
         }
-        self.token = t;
-        self.flush::<S>();
+        self.out.flush::<S>(rows);
     }
 
     /// The text ended: its label and score.
     pub fn finish(mut self) -> Scored {
         self.close();
-        Scored { label: self.model.score(&self.sums, self.n), features: self.n }
+        Scored { label: self.model.score(&self.out.sums, self.out.n), features: self.out.n }
     }
 
     /// Per label, the integer sum so far (after `close`: the text's).
     pub fn sums(&self) -> &[i32] {
-        self.sums.get(..self.model.labels.len()).unwrap_or(&[])
+        self.out.sums.get(..self.model.labels.len()).unwrap_or(&[])
     }
 }
 
