@@ -19,6 +19,12 @@ POOL_LEVEL_HEADER = "x-infermesh-pool-level"
 """`POOL;LEVEL;REPLICA`: the filter's pool state table reads it (filter/src/pool_state.rs) and
 strips it before the client; it is internal to the mesh, like every `x-infermesh-*` header."""
 
+LOAD_HEADER = "x-infermesh-load"
+"""The replica's utilization, the ORCA report's application_utilization with 3 decimals (above 1
+while requests wait): the filter's prefix table bounds picking by prefix with it
+(docs/prefix-routing.md) and strips it. Internal like the pool level; the ORCA header itself is
+removed by the route before any filter sees the response, hence a header of its own."""
+
 
 def pool_level(pool: "Pool") -> int:
     """The replica's degradation level as the mesh counts it: its breakers' level (0-3), or
@@ -35,7 +41,8 @@ def pool_level_value(pool: "Pool") -> str:
 
 def identity_headers(pool: "Pool", model: str, degraded: bool = False, reason: str = "", load_report: bool = True) -> dict[str, str]:
     """`x-infermesh-model`, `x-infermesh-degraded` (and `-reason`), `x-infermesh-served-by`, and
-    the ORCA load report `endpoint-load-metrics` (load_report.py). The pool level is not among
+    the ORCA load report `endpoint-load-metrics` (load_report.py) with the same utilization in
+    the internal `x-infermesh-load` (HTTP only: a gRPC request has no prefix key). The pool level is not among
     them: on the HTTP front every response gets it (state_api.PoolLevelHeader); the gRPC front
     would send it in trailers, which the filter does not read and so could not strip (gRPC-only
     pools are learned by the probe)."""
@@ -45,8 +52,15 @@ def identity_headers(pool: "Pool", model: str, degraded: bool = False, reason: s
         h["x-infermesh-degraded-reason"] = reason
     # For Envoy's weighted round robin only; the mesh's edge removes it (envoy_resources.py).
     if load_report:
-        h.update(load_report_header(pool))
+        report = pool.load.report()
+        h[ORCA_HEADER] = report.header_value()
+        h[LOAD_HEADER] = load_value(report.utilization)
     return h
+
+
+def load_value(utilization: float) -> str:
+    """`x-infermesh-load`'s value: the utilization with 3 decimals (the filter parses it)."""
+    return f"{utilization:.3f}"
 
 
 def load_report_header(pool: "Pool") -> dict[str, str]:

@@ -61,7 +61,7 @@ impl SharedData for ProxyWasmSharedData {
     }
 }
 
-type Config = Accepted<SharedTable<ProxyWasmSharedData>>;
+type Config = Accepted<SharedTable<ProxyWasmSharedData>, ProxyWasmSharedData>;
 
 struct Root {
     /// The last configuration that validated. A rejected update leaves it in place.
@@ -352,10 +352,14 @@ impl HttpContext for Request {
         if cfg!(feature = "bench-noop") {
             return Action::Continue;
         }
-        // Without a config the level header is still never passed on to the client.
+        // Without a config the internal headers are still never passed on to the client.
         match &self.accepted {
             Some(cfg) => self.stream.on_response_headers(&**cfg, &mut self.host),
-            None => self.host.remove_response_header(crate::pool_state::HEADER_POOL_LEVEL),
+            None => {
+                for h in [crate::pool_state::HEADER_POOL_LEVEL, crate::prefix_table::HEADER_PREFIX_HOST, crate::prefix_table::HEADER_LOAD] {
+                    self.host.remove_response_header(h);
+                }
+            }
         }
         Action::Continue
     }

@@ -13,6 +13,14 @@ use crate::request_flow::CounterId;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+/// The replica to serve a request, `base64(IP:PORT)`: the filter writes it for Envoy's stateful
+/// session filter (header-based session state); on the response that filter writes the replica
+/// that served when it is not the one named. Internal both ways: a client's copy is stripped
+/// with every `x-infermesh-*` request header, the response's is removed.
+pub const HEADER_PREFIX_HOST: &str = "x-infermesh-prefix-host";
+/// The serving replica's utilization (sidecar/response_headers.py), removed from every response.
+pub const HEADER_LOAD: &str = "x-infermesh-load";
+
 /// Records per pool: a key's slot is `key % SLOTS`.
 pub const SLOTS: u64 = 1024;
 /// An entry older than this is ignored: vLLM's prefix cache evicts a prefix not used for a while

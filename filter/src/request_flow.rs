@@ -12,7 +12,9 @@ use crate::body::{parse_body, parse_body_segments, parse_body_keyed, parse_body_
 use crate::classify::{classify, Body, Content, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE};
 use crate::config::{DegradedRouting, FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE, INTERNAL_HEADER_PREFIX};
 use crate::pool_state::{costs_generation, ReadingError, Verdict, HEADER_POOL_LEVEL};
-use crate::prefix_key::{PrefixKeys, PrefixSpec, HEADER_PREFIX_KEY};
+use crate::prefix_key::{PrefixKeys, PrefixSpec, HEADER_PREFIX_KEY, MAX_KEYS};
+use crate::prefix_table::{base64_decode, base64_encode, Pick, PrefixTable, ProcessSharedData, HEADER_LOAD, HEADER_PREFIX_HOST};
+use crate::shared_pool_table::SharedData;
 use crate::stats::TrustedCounters;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -119,6 +121,11 @@ pub struct Metrics {
     pub shed: HashMap<String, CounterId>,
     /// By `StateError`; only the table's `ERRORS` are defined.
     pub state_errors: [CounterId; 6],
+    /// Keyed requests whose replica was named, not named because it was over the load bound,
+    /// and responses learnt from (only with a keyed class).
+    pub prefix_named: CounterId,
+    pub prefix_over_bound: CounterId,
+    pub prefix_learned: CounterId,
 }
 
 impl Metrics {
@@ -147,23 +154,32 @@ impl Metrics {
                 state_errors[*e as usize] = define(&format!("infermesh.pool_state_errors_total.reason.{}", STATE_ERRORS[*e as usize]));
             }
         }
-        Metrics { decisions, fallbacks, stripped: define("infermesh.stripped_requests_total"), trusted, shed, state_errors }
+        let (mut prefix_named, mut prefix_over_bound, mut prefix_learned) = (None, None, None);
+        if !config.prefix.is_empty() {
+            prefix_named = define("infermesh.prefix_named_total");
+            prefix_over_bound = define("infermesh.prefix_over_bound_total");
+            prefix_learned = define("infermesh.prefix_learned_total");
+        }
+        let stripped = define("infermesh.stripped_requests_total");
+        Metrics { decisions, fallbacks, stripped, trusted, shed, state_errors, prefix_named, prefix_over_bound, prefix_learned }
     }
 }
 
-/// One accepted configuration, with its counters and the pool state table kept for it; every
+/// One accepted configuration, with its counters, the pool state table and the prefix table kept
+/// for it (`D`: proxy-wasm shared data, or one map for the native module's process); every
 /// stream of it reads the same.
-pub struct Accepted<P> {
+pub struct Accepted<P, D = ProcessSharedData> {
     pub filter: FilterConfig,
     pub metrics: Metrics,
     pub pools: P,
+    pub prefixes: PrefixTable<D>,
 }
 
-impl<P: PoolStates> Accepted<P> {
-    pub fn new(filter: FilterConfig, define: &mut dyn FnMut(&str) -> CounterId) -> Accepted<P> {
+impl<P: PoolStates, D: SharedData> Accepted<P, D> {
+    pub fn new(filter: FilterConfig, define: &mut dyn FnMut(&str) -> CounterId) -> Accepted<P, D> {
         let metrics = Metrics::for_config(&filter, P::ERRORS, define);
         let pools = P::for_config(filter.degraded.as_ref(), &metrics);
-        Accepted { filter, metrics, pools }
+        Accepted { filter, metrics, pools, prefixes: PrefixTable::default() }
     }
 }
 
@@ -272,11 +288,14 @@ pub struct Stream {
     key_spec: Option<PrefixSpec>,
     /// The request's prefix keys, written by `write` (docs/prefix-routing.md).
     keys: Option<PrefixKeys>,
+    /// A keyed request's pool and the replica the filter named for it (None: none), for the
+    /// response to learn from.
+    prefix: Option<(String, Option<String>)>,
 }
 
 impl Default for Stream {
     fn default() -> Stream {
-        Stream { waiting_for_body: false, replace_headers: false, generates: false, read_level: true, key_spec: None, keys: None }
+        Stream { waiting_for_body: false, replace_headers: false, generates: false, read_level: true, key_spec: None, keys: None, prefix: None }
     }
 }
 
@@ -293,7 +312,7 @@ fn key_spec_on_headers(config: &FilterConfig, class: &str, headers: &[(&[u8], &[
 }
 
 impl Stream {
-    pub fn on_request_headers<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, end_of_stream: bool) -> Next {
+    pub fn on_request_headers<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H, end_of_stream: bool) -> Next {
         let config = &cfg.filter;
         // One snapshot for the common case: no client-sent x-infermesh-* header.
         let clean = {
@@ -336,7 +355,7 @@ impl Stream {
     /// A request with `x-infermesh-*` headers: a trusted peer's complete decision is kept (None:
     /// nothing to decide); anything else is stripped (or, from a trusted peer, replaced by the
     /// decision) and decided on the headers that remain.
-    fn strip_or_keep<'c, H: Host, P: PoolStates>(&mut self, cfg: &'c Accepted<P>, host: &mut H, end_of_stream: bool) -> Option<HeadDecision<'c>> {
+    fn strip_or_keep<'c, H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &'c Accepted<P, D>, host: &mut H, end_of_stream: bool) -> Option<HeadDecision<'c>> {
         if source_is_trusted(&cfg.filter, host) {
             let kept = {
                 let headers = host.request_headers();
@@ -361,7 +380,7 @@ impl Stream {
         Some(decide_on_headers(&cfg.filter, &headers, end_of_stream))
     }
 
-    pub fn on_request_body<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, end_of_stream: bool) -> Next {
+    pub fn on_request_body<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H, end_of_stream: bool) -> Next {
         if !self.waiting_for_body {
             return Next::Continue;
         }
@@ -377,7 +396,7 @@ impl Stream {
     }
 
     /// A body followed by trailers never reports end_of_stream on the body: decide here.
-    pub fn on_request_trailers<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H) -> Next {
+    pub fn on_request_trailers<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H) -> Next {
         if !self.waiting_for_body {
             return Next::Continue;
         }
@@ -389,7 +408,8 @@ impl Stream {
     /// Every sidecar sends it, but the table keeps only the pools that shed: a response's
     /// reading of another pool (one that sheds nothing, or the failover pool that served a
     /// spilled request) is dropped, not counted as `unknown_pool` (a probe's still is).
-    pub fn on_response_headers<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H) {
+    pub fn on_response_headers<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H) {
+        self.learn_prefix(cfg, host);
         let value = match &cfg.filter.degraded {
             Some(_) if self.read_level => host.response_header(HEADER_POOL_LEVEL),
             _ => None,
@@ -403,7 +423,83 @@ impl Stream {
         }
     }
 
-    fn decide_on_body<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, generates: bool) -> Next {
+    /// The replica that served a keyed request: the one Envoy's stateful session filter names in
+    /// `x-infermesh-prefix-host` (it does when the named one did not serve, or none was named),
+    /// else the one the filter named. Its keys now map to it, and its `x-infermesh-load` is its
+    /// reading. Both headers are internal: removed from every response.
+    fn learn_prefix<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H) {
+        let prefix = self.prefix.take();
+        let read = |host: &H, name: &str| if prefix.is_some() { host.response_header(name) } else { None };
+        let (served, load, status) = (read(host, HEADER_PREFIX_HOST), read(host, HEADER_LOAD), read(host, ":status"));
+        host.remove_response_header(HEADER_PREFIX_HOST);
+        host.remove_response_header(HEADER_LOAD);
+        let (keys, (pool, named)) = match (&self.keys, prefix) {
+            (Some(k), Some(p)) => (k, p),
+            _ => return,
+        };
+        let addr = match served {
+            Some(v) => base64_decode(&v).and_then(|b| String::from_utf8(b).ok()),
+            None => named,
+        };
+        let addr = match addr {
+            Some(a) => a,
+            None => return,
+        };
+        let now = host.now_ms();
+        if let Some(l) = load.and_then(|v| v.trim().parse::<f64>().ok()) {
+            // A lost CAS race loses one reading; the next response brings another.
+            cfg.prefixes.report_load(&pool, &addr, l, now);
+        }
+        // A refusal (429, 503) or error says nothing about where the prefix is cached.
+        if !status.map_or(false, |s| s.starts_with('2')) {
+            return;
+        }
+        let mut all = [0u64; MAX_KEYS + 1];
+        let mut n = 0;
+        for (slot, k) in all.iter_mut().zip(keys.learn.iter().chain(keys.chain())) {
+            *slot = *k;
+            n += 1;
+        }
+        cfg.prefixes.learn(&pool, &all[..n], &addr, now);
+        host.count(cfg.metrics.prefix_learned);
+    }
+
+    /// Name the replica that served the request's prefix, while it is under the load bound.
+    fn name_replica<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H, pool: &str) {
+        let keys = match &self.keys {
+            Some(k) => k,
+            None => {
+                if self.replace_headers {
+                    host.set_request_header(HEADER_PREFIX_HOST, None);
+                }
+                return;
+            }
+        };
+        let named = match cfg.prefixes.lookup(pool, keys.chain(), host.now_ms()) {
+            Pick::Named(addr) => Some(addr),
+            Pick::OverBound => {
+                host.count(cfg.metrics.prefix_over_bound);
+                None
+            }
+            Pick::Unknown => None,
+        };
+        match &named {
+            Some(addr) => {
+                let value = base64_encode(addr.as_bytes());
+                if self.replace_headers {
+                    host.set_request_header(HEADER_PREFIX_HOST, Some(&value));
+                } else {
+                    host.add_request_header(HEADER_PREFIX_HOST, &value);
+                }
+                host.count(cfg.metrics.prefix_named);
+            }
+            None if self.replace_headers => host.set_request_header(HEADER_PREFIX_HOST, None),
+            None => {}
+        }
+        self.prefix = Some((pool.to_string(), named));
+    }
+
+    fn decide_on_body<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H, generates: bool) -> Next {
         let spec = self.key_spec.take();
         let (facts, keys) = match parse_request_body(host, spec) {
             Ok(parsed) => parsed,
@@ -423,7 +519,7 @@ impl Stream {
     }
 
     /// Decide with the body known or known to be unavailable (the classifier always decides).
-    fn decide_now<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, body: Body, generates: bool) -> Next {
+    fn decide_now<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H, body: Body, generates: bool) -> Next {
         match self.classify_now(cfg, host, body) {
             Some(d) => self.write(cfg, host, &d, generates),
             None => Next::Continue,
@@ -433,7 +529,7 @@ impl Stream {
     /// The classifier's decision now that the body is settled (None: it still asks for the body).
     /// A content rule reached asks for the content label: the body's text is classified then,
     /// once, and the rules tried again with it.
-    fn classify_now<'c, H: Host, P: PoolStates>(&mut self, cfg: &'c Accepted<P>, host: &mut H, body: Body) -> Option<Decision<'c>> {
+    fn classify_now<'c, H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &'c Accepted<P, D>, host: &mut H, body: Body) -> Option<Decision<'c>> {
         self.waiting_for_body = false;
         let outcome = classify(&cfg.filter, &View(&host.request_headers()), body);
         let body = match (outcome, body, &cfg.filter.content_model) {
@@ -450,7 +546,7 @@ impl Stream {
     }
 
     /// Write the decision, after `when_degraded` had its say.
-    fn write<H: Host, P: PoolStates>(&mut self, cfg: &Accepted<P>, host: &mut H, d: &Decision, generates: bool) -> Next {
+    fn write<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H, d: &Decision, generates: bool) -> Next {
         let config = &cfg.filter;
         let m = &cfg.metrics;
         if let Some(dr) = &config.degraded {
@@ -484,6 +580,7 @@ impl Stream {
             // A trusted peer's partial decision may carry a key; a request without one has none.
             host.set_request_header(HEADER_PREFIX_KEY, None);
         }
+        self.name_replica(cfg, host, d.pool);
         // One clear for all the writes.
         host.clear_route_cache();
         count_decision(m, host, d);

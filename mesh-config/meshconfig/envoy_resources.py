@@ -46,6 +46,10 @@ POOL_HEADER = "x-infermesh-pool"
 CLASS_HEADER = "x-infermesh-class"
 RULE_HEADER = "x-infermesh-rule"
 POOL_LEVEL_HEADER = "x-infermesh-pool-level"
+PREFIX_HOST_HEADER = "x-infermesh-prefix-host"
+"""base64(IP:PORT) of the replica that served a prefix: the filter names it on the request,
+Envoy's stateful session filter names the one that served on the response (docs/prefix-routing.md)."""
+STATEFUL_SESSION_FILTER = "envoy.filters.http.stateful_session"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 ROUTE_CONFIG_NAME = "infermesh"
 LISTENER_NAME = "infermesh"
@@ -945,9 +949,34 @@ def http_connection_manager(m: MeshListener, route_source: dict) -> dict:
         **route_source,
         "http_filters": [
             filter_http_filter(m),
+            *([prefix_session_filter()] if picks_by_prefix(m) else []),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
+
+
+def picks_by_prefix(m: MeshListener) -> bool:
+    """Some class has a prefix key: the filter names the replica that served its prefix."""
+    routing = m.decisions()
+    return routing is not None and any(c.prefix_key is not None for c in routing.classes.values())
+
+
+def prefix_session_filter() -> dict:
+    """Envoy's stateful session filter on the header the infermesh filter writes, right after it
+    (the infermesh filter strips a client's copy first): a named replica that is healthy serves,
+    an unknown or unhealthy one is passed over for the cluster's own pick (`strict: false`), and
+    the response names the replica that served when it is not the one named. Pinned by
+    mesh-config/tests/test_envoy_stateful_session_contract.py."""
+    # Known to the descriptor pool before the control plane packs the listener into an Any.
+    from envoy.extensions.filters.http.stateful_session.v3 import stateful_session_pb2  # noqa: F401
+    from envoy.extensions.http.stateful_session.header.v3 import header_pb2  # noqa: F401
+
+    return {"name": STATEFUL_SESSION_FILTER, "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.stateful_session.v3.StatefulSession",
+        "strict": False,
+        "session_state": {"name": "envoy.http.stateful_session.header", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.http.stateful_session.header.v3.HeaderBasedSessionState",
+            "name": PREFIX_HOST_HEADER}}}}
 
 
 # One JSON object per request (docs/observability.md says what each field is). Envoy's json_format

@@ -5,6 +5,7 @@ the compiled filter accepts the whole config. Prefix keys are off in the bundled
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -57,6 +58,22 @@ def test_a_keyed_classs_rules_are_filter_routes_and_the_rest_stay_native():
         {"remove_on_match": {"key_matcher": {"prefix": "x-infermesh-"}}}]
 
 
+@pytest.mark.parametrize("runtime", ["wasm", "native"])
+def test_a_keyed_policy_puts_envoys_stateful_session_filter_right_after_the_infermesh_filter(runtime):
+    listener = dataclasses.replace(LocalMeshPlan(policy=parse_policy(POLICY, "p.yaml")).listener(Path("/x.wasm")), filter_runtime=runtime)
+    hcm = bootstrap(listener)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names == [listener.filter_name, "envoy.filters.http.stateful_session", "envoy.filters.http.router"]
+    session = hcm["http_filters"][1]["typed_config"]
+    # Not strict: a named replica that is gone or unhealthy is passed over for the cluster's pick.
+    assert session["strict"] is False
+    assert session["session_state"]["typed_config"]["name"] == "x-infermesh-prefix-host"
+    # Without a keyed class, no session filter.
+    plain = parse_policy(POLICY.replace(", prefix_key: {max_keys: 3}", ""), "p.yaml")
+    hcm, _ = _routes(plain)
+    assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
+
+
 def test_a_policy_refuses_a_bad_prefix_key_naming_its_line_and_field():
     bad = POLICY.replace("prefix_key: {max_keys: 3}", "prefix_key: {max_keys: 9}")
     with pytest.raises(PolicyError) as e:
@@ -80,3 +97,4 @@ def test_real_envoy_with_the_compiled_filter_accepts_a_keyed_config(tmp_path):
     r = subprocess.run([str(paths.envoy_binary()), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "envoy.filters.http.stateful_session" in path.read_text()

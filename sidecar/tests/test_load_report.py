@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from infermesh.sidecar.config import SidecarConfig
 from infermesh.sidecar.http_api import build_app
 from infermesh.sidecar.load_report import ORCA_HEADER, LoadReporter
+from infermesh.sidecar.response_headers import LOAD_HEADER, load_value
 
 # Envoy's TEXT form: `TEXT key=value,...`, known keys, each once, non-negative numbers.
 TEXT = re.compile(r"^TEXT rps_fractional=(?P<num>[0-9.]+),eps=(?P<eps>[0-9.]+),application_utilization=(?P<u>[0-9.]+),"
@@ -65,3 +66,16 @@ def test_every_generation_response_carries_a_report(make_vllm_pool):
         # A stream reports with its first token (itself in flight, of 4 slots); a whole response
         # after its request was released.
         assert float(m["u"]) == (0.25 if stream else 0.05)
+
+
+def test_every_generation_response_carries_its_utilization_for_the_filter(make_vllm_pool):
+    """`x-infermesh-load` is the ORCA report's application_utilization with 3 decimals: the filter's
+    prefix table reads it (the route removes the ORCA header before any filter sees it)."""
+    pool = make_vllm_pool(SidecarConfig.model_validate({"pool": "p", "models": [{"name": "m", "path": "/x", "max_num_seqs": 4}]}))
+    c = TestClient(build_app(pool))
+    for stream in (False, True):
+        r = c.post("/v1/completions", json={"prompt": "x", "stream": stream})
+        m = TEXT.match(r.headers[ORCA_HEADER])
+        assert r.headers[LOAD_HEADER] == f"{float(m['u']):.3f}", (r.headers[LOAD_HEADER], m["u"])
+        assert re.fullmatch(r"[0-9]+\.[0-9]{3}", r.headers[LOAD_HEADER])
+    assert load_value(2.0) == "2.000" and load_value(0.05) == "0.050"

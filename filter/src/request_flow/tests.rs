@@ -747,6 +747,103 @@ fn a_client_cannot_choose_a_replica_by_sending_the_prefix_key() {
     assert_eq!(h.header(HEADER_PREFIX_KEY).map(str::to_string), expected_key(TWO_TURNS));
 }
 
+// ---- picking by prefix (docs/prefix-routing.md) -------------------------------------------------
+
+const THREE_TURNS: &[u8] = br#"{"stream":true,"messages":[{"role":"system","content":"You are tenant 7's assistant."},{"role":"user","content":"hi"},{"role":"assistant","content":"hello"},{"role":"user","content":"my order"},{"role":"assistant","content":"which one?"},{"role":"user","content":"the last"}]}"#;
+const REPLICA_A: &str = "127.0.0.1:8001";
+const REPLICA_B: &str = "127.0.0.1:8002";
+
+/// One request through the flow and its response (`response`: the upstream's headers, as the
+/// stateful session filter leaves them): the request's prefix host and what reached the client.
+fn serve(cfg: &ModuleConfig, mut h: FakeHost, response: &[(&str, &str)]) -> (Option<String>, FakeHost) {
+    let mut s = Stream::default();
+    let eos = h.body.is_empty();
+    if s.on_request_headers(cfg, &mut h, eos) == Next::Wait {
+        s.on_request_body(cfg, &mut h, true);
+    }
+    let named = h.header(HEADER_PREFIX_HOST).map(str::to_string);
+    h.response = response.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    s.on_response_headers(cfg, &mut h);
+    (named, h)
+}
+
+fn b64(addr: &str) -> String {
+    base64_encode(addr.as_bytes())
+}
+
+#[test]
+fn a_conversations_next_turn_names_the_replica_that_served_its_last() {
+    let (cfg, names) = prefix_module();
+    let served_by_a = b64(REPLICA_A);
+    // Turn 1: nothing known; the session filter names the LB's pick in the response.
+    let (named, h) = serve(&cfg, chat(TWO_TURNS), &[(":status", "200"), (HEADER_PREFIX_HOST, &served_by_a), (HEADER_LOAD, "0.250")]);
+    assert_eq!(named, None);
+    assert_eq!(h.response, [(":status".to_string(), "200".to_string())], "both internal headers removed");
+    assert!(counted(&h, &names).contains(&"infermesh.prefix_learned_total".to_string()));
+    // Turn 2 repeats turn 1's messages: named A; A served it (the response says nothing).
+    let (named, h) = serve(&cfg, chat(THREE_TURNS), &[(":status", "200"), (HEADER_LOAD, "0.300")]);
+    assert_eq!(named.as_deref(), Some(served_by_a.as_str()));
+    assert!(counted(&h, &names).contains(&"infermesh.prefix_named_total".to_string()));
+    // Another conversation of the same tenant shares only the system prompt: named A too.
+    let other = br#"{"stream":true,"messages":[{"role":"system","content":"You are tenant 7's assistant."},{"role":"user","content":"a new question"}]}"#;
+    let (named, _) = serve(&cfg, chat(other), &[(":status", "200")]);
+    assert_eq!(named.as_deref(), Some(served_by_a.as_str()), "its system prompt's key");
+    // A replica past the bound is not named; the response names B, which the keys now map to.
+    cfg.prefixes.report_load("interactive", REPLICA_A, 0.95, now_ms());
+    let (named, h) = serve(&cfg, chat(THREE_TURNS), &[(":status", "200"), (HEADER_PREFIX_HOST, &b64(REPLICA_B)), (HEADER_LOAD, "0.100")]);
+    assert_eq!(named, None);
+    assert!(counted(&h, &names).contains(&"infermesh.prefix_over_bound_total".to_string()));
+    let (named, _) = serve(&cfg, chat(THREE_TURNS), &[(":status", "200")]);
+    assert_eq!(named.as_deref(), Some(b64(REPLICA_B).as_str()));
+}
+
+#[test]
+fn a_refusal_or_an_unreadable_host_teaches_nothing() {
+    let (cfg, _) = prefix_module();
+    serve(&cfg, chat(TWO_TURNS), &[(":status", "429"), (HEADER_PREFIX_HOST, &b64(REPLICA_A))]);
+    serve(&cfg, chat(TWO_TURNS), &[(":status", "200"), (HEADER_PREFIX_HOST, "not base64!")]);
+    // Nothing named and no session filter's word: where it went is unknown.
+    serve(&cfg, chat(TWO_TURNS), &[(":status", "200")]);
+    let (named, _) = serve(&cfg, chat(THREE_TURNS), &[(":status", "200")]);
+    assert_eq!(named, None);
+}
+
+#[test]
+fn a_client_cannot_choose_a_replica_by_sending_the_prefix_host() {
+    let (cfg, _) = prefix_module();
+    serve(&cfg, chat(TWO_TURNS), &[(":status", "200"), (HEADER_PREFIX_HOST, &b64(REPLICA_A))]);
+    // Spoofed on a keyed request: stripped, the filter's own named.
+    let mut h = chat(THREE_TURNS);
+    h.request.push((HEADER_PREFIX_HOST.to_string(), b64(REPLICA_B)));
+    let (named, h) = serve(&cfg, h, &[(":status", "200")]);
+    assert_eq!(named, Some(b64(REPLICA_A)));
+    assert_eq!(h.request.iter().filter(|(k, _)| k == HEADER_PREFIX_HOST).count(), 1);
+    // On a request without a key, of a class without keys, from a trusted peer's partial
+    // decision without a key: none is left.
+    for (body, extra) in [(&br#"{"stream":true,"messages":[{"role":"user","content":"hi"}]}"#[..], None), (TWO_TURNS, Some(("x-plain", "1")))] {
+        let mut h = chat(body);
+        h.request.push((HEADER_PREFIX_HOST.to_string(), b64(REPLICA_B)));
+        if let Some((k, v)) = extra {
+            h.request.push((k.to_string(), v.to_string()));
+        }
+        assert_eq!(serve(&cfg, h, &[]).0, None);
+    }
+    let mut h = chat(br#"{"stream":true,"messages":[{"role":"user","content":"hi"}]}"#);
+    h.source = Some("10.8.0.9:5000".into());
+    h.request.push((HEADER_PREFIX_HOST.to_string(), b64(REPLICA_B)));
+    assert_eq!(serve(&cfg, h, &[]).0, None);
+}
+
+#[test]
+fn every_response_loses_the_internal_prefix_headers_keyed_or_not() {
+    let (cfg, names) = module();
+    let mut h = FakeHost::request("GET", "/v1/models", &[]);
+    h.response = vec![(HEADER_PREFIX_HOST.into(), b64(REPLICA_A)), (HEADER_LOAD.into(), "0.5".into()), ("x-ok".into(), "1".into())];
+    Stream::default().on_response_headers(&cfg, &mut h);
+    assert_eq!(h.response, [("x-ok".to_string(), "1".to_string())]);
+    assert!(!names.iter().any(|n| n.contains("prefix")), "no prefix counters without a keyed class: {names:?}");
+}
+
 /// A content rule through the flow: the body buffered, the label computed from the host's
 /// segments (however cut), and the decision written; no text, or another label, falls through.
 #[test]
