@@ -73,6 +73,21 @@ def test_random_models(name, model, statements, tmp_path):
     agree(model, [{"text": t} for t in texts], [model.classify(t) for t in texts], tmp_path)
 
 
+def test_the_largest_sums(tmp_path):
+    """Every weight at its end (127, -128) and the most features the bounds allow (65536 bytes of
+    one token, character n-grams 2..6): the sums are exact on both sides, not wrapped."""
+    w = np.empty((256, 3), np.int8)
+    w[:, 0], w[:, 1], w[:, 2] = 127, -128, 0
+    m = cm.ContentModel(("high", "low", "zero"), 256, 2, (2, 6), 65536, 1e-3, (0.0, 0.0, 0.5), w)
+    texts = ["a" * 70000, "ab " * 30000, "x1 " * 22000, "é" * 40000]
+    ours = [m.classify(t) for t in texts]
+    assert ours[0].features > 300_000  # S = 127 x n: far past 16 bits
+    agree(m, [{"text": t} for t in texts], ours, tmp_path)
+    w[:, 0] = -128
+    low = cm.ContentModel(m.labels, 256, 2, (2, 6), 65536, 1e-3, (0.0, 0.0, 0.5), w)
+    agree(low, [{"text": t} for t in texts], [low.classify(t) for t in texts], tmp_path)
+
+
 BODIES = [
     {"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "How do I reverse a list in Python?"},
                   {"role": "assistant", "content": "Use reversed()."}, {"role": "user", "content": "And a string?"}]},
