@@ -17,6 +17,8 @@ use std::time::Instant;
 
 #[path = "../tests/common/serde_scanner.rs"]
 mod serde_scanner;
+#[path = "../tests/common/base64.rs"]
+mod base64;
 
 struct Req(Vec<(String, String)>);
 
@@ -79,7 +81,6 @@ fn prompt_text(size: usize) -> String {
 
 /// A content model in the model format: `labels` labels, `dim`, pseudo-random int8 weights.
 fn content_model(labels: usize, dim: usize, chars: [u8; 2], max_text: usize) -> String {
-    const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let raw: Vec<u8> = (0..dim * labels)
         .map(|_| {
@@ -89,13 +90,7 @@ fn content_model(labels: usize, dim: usize, chars: [u8; 2], max_text: usize) -> 
             x as u8
         })
         .collect();
-    let mut b64 = String::new();
-    for c in raw.chunks(3) {
-        let n = (u32::from(c[0]) << 16) | (u32::from(*c.get(1).unwrap_or(&0)) << 8) | u32::from(*c.get(2).unwrap_or(&0));
-        for k in 0..4 {
-            b64.push(if k <= c.len() { A[(n >> (18 - 6 * k) & 63) as usize] as char } else { '=' });
-        }
-    }
+    let b64 = base64::base64(&raw);
     let names: Vec<String> = (0..labels).map(|i| format!("label{i}")).collect();
     serde_json::json!({"version": 1, "labels": names, "dim": dim, "word_ngrams": 2, "char_ngrams": chars, "max_text_bytes": max_text,
                        "scale": 0.01, "bias": vec![0.0; labels], "weights": b64})

@@ -833,17 +833,10 @@ pub(crate) mod tests {
     use super::*;
     use crate::config::parse_content_model;
 
-    pub(crate) fn base64(bytes: &[u8]) -> String {
-        const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-        let mut out = String::new();
-        for c in bytes.chunks(3) {
-            let n = (u32::from(c[0]) << 16) | (u32::from(*c.get(1).unwrap_or(&0)) << 8) | u32::from(*c.get(2).unwrap_or(&0));
-            for k in 0..4 {
-                out.push(if k <= c.len() { A[(n >> (18 - 6 * k) & 63) as usize] as char } else { '=' });
-            }
-        }
-        out
+    mod encode {
+        include!(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/common/base64.rs"));
     }
+    pub(crate) use encode::base64;
 
     /// A model's JSON, its weights from `w(bucket, label)`.
     pub(crate) fn model_json(labels: &[&str], dim: usize, word: u8, chars: [u8; 2], max_text: usize, w: impl Fn(usize, usize) -> i8) -> String {

@@ -9,7 +9,9 @@
 //!   same result, facts or error, as the serde_json visitors it replaced
 //!   (tests/common/serde_scanner.rs);
 //! - the classifier never panics, asks for the body only before it has it, and always yields a
-//!   class/pool pair that the config defines.
+//!   class/pool pair that the config defines;
+//! - the content classifier's text walk reads what the spec reads on a serde_json::Value (user
+//!   turns, prompt, input; escapes decoded) wherever the body is cut, and never panics.
 //!
 //! A failure prints the seed and the input. Natively the strings are scanned with SSE2, the twin
 //! of the module's Wasm SIMD loop (src/string_run.rs), and AVX2 where the CPU has it.
@@ -17,7 +19,8 @@
 use infermesh_filter::body::{parse_body, parse_body_keyed, parse_body_segments, parse_body_segments_keyed, BodyFacts, MAX_KEPT_STRING};
 use infermesh_filter::prefix_key::{PrefixSpec, MAX_KEYS};
 use infermesh_filter::classify::{classify, Body, Content, Fallback, Outcome, RequestView};
-use infermesh_filter::config::FilterConfig;
+use infermesh_filter::config::{parse_content_model, FilterConfig};
+use infermesh_filter::content_classifier::ContentModel;
 use serde_json::{json, Map, Value};
 #[path = "common/fuzz_rng.rs"]
 mod fuzz_rng;
@@ -26,6 +29,9 @@ use std::time::Instant;
 
 #[path = "common/serde_scanner.rs"]
 mod serde_scanner;
+#[path = "common/base64.rs"]
+mod base64;
+use base64::base64;
 
 /// The new scanner must decide exactly as the serde_json one did: the same facts, or an error.
 fn same_as_serde_scanner(s: u64, input: &[u8]) -> Result<BodyFacts, String> {
@@ -530,4 +536,94 @@ fn segments_give_what_one_buffer_gives_wherever_the_body_is_cut() {
     }
     eprintln!("segments: seed {s}, {n} cut bodies");
     assert!(n > 1000, "too few iterations to mean anything: {n}");
+}
+
+/// The content classifier's text walk (src/content_classifier.rs) against the spec read on a
+/// serde_json::Value: the user turns of `messages`, then `prompt`, then `input`, joined by `\n`.
+fn spec_text(v: &Value) -> Vec<u8> {
+    let parts = |content: Option<&Value>, kinds: &[&str]| -> Vec<String> {
+        match content {
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(Value::Array(xs)) => xs
+                .iter()
+                .filter(|p| p.get("type").and_then(Value::as_str).map_or(false, |t| kinds.contains(&t)))
+                .filter_map(|p| p.get("text").and_then(Value::as_str).map(str::to_string))
+                .collect(),
+            _ => vec![],
+        }
+    };
+    let turns = |items: Option<&Value>, kinds: &[&str]| -> Vec<String> {
+        match items {
+            Some(Value::Array(xs)) => xs
+                .iter()
+                .filter(|m| m.is_object() && m.get("role").and_then(Value::as_str) == Some("user"))
+                .flat_map(|m| parts(m.get("content"), kinds))
+                .collect(),
+            _ => vec![],
+        }
+    };
+    let mut pieces = turns(v.get("messages"), &["text"]);
+    match v.get("prompt") {
+        Some(Value::String(s)) => pieces.push(s.clone()),
+        Some(Value::Array(xs)) => pieces.extend(xs.iter().filter_map(|x| x.as_str().map(str::to_string))),
+        _ => {}
+    }
+    match v.get("input") {
+        Some(Value::String(s)) => pieces.push(s.clone()),
+        other => pieces.extend(turns(other, &["input_text", "text"])),
+    }
+    pieces.join("\n").into_bytes()
+}
+
+#[test]
+fn content_text_is_the_specs_wherever_the_body_is_cut() {
+    let s = seed();
+    let mut r = Rng(s ^ 0xc1a5);
+    let models: Vec<ContentModel> = [(64usize, [2u8, 4u8], 2u8), (4096, [3, 3], 1), (100, [0, 0], 2)]
+        .iter()
+        .map(|&(max, chars, word)| {
+            let weights: Vec<u8> = (0..256 * 3).map(|_| r.below(256) as u8).collect();
+            let m = json!({"version": 1, "labels": ["a", "b", "c"], "dim": 256, "word_ngrams": word, "char_ngrams": chars,
+                           "max_text_bytes": max, "scale": 0.05, "bias": [0.1, 0.0, -0.1], "weights": base64(&weights)});
+            parse_content_model(m.to_string().as_bytes()).unwrap()
+        })
+        .collect();
+    let end = Instant::now() + budget() / 2;
+    let (mut n, mut compared) = (0u64, 0u64);
+    while Instant::now() < end {
+        let mut v = body(&mut r);
+        if r.below(3) == 0 {
+            let input = match r.below(3) {
+                0 => Value::String(text(&mut r)),
+                1 => json!([{"role": "user", "content": [{"type": "input_text", "text": text(&mut r)}, {"type": "text", "text": text(&mut r)}]},
+                            {"role": "assistant", "content": text(&mut r)}, {"content": text(&mut r), "role": "user"}]),
+                _ => any_value(&mut r, 1),
+            };
+            v["input"] = input;
+        }
+        let mut bytes = serde_json::to_vec(&v).unwrap();
+        if r.below(2) == 0 {
+            bytes = reescape(&mut r, &bytes);
+        }
+        if r.below(4) == 0 {
+            bytes = mutate(&mut r, bytes);
+        }
+        let m = &models[r.below(3) as usize];
+        let whole = m.classify_body(&[&bytes]);
+        // Where serde_json reads the body (the field walk refuses the rest before any rule
+        // sees it), the text is the spec's.
+        if let Ok(Value::Object(o)) = serde_json::from_slice::<Value>(&bytes) {
+            assert_eq!(whole, m.classify_text(&spec_text(&Value::Object(o))), "seed {s}: {:?}", String::from_utf8_lossy(&bytes));
+            compared += 1;
+        }
+        let at = r.below(bytes.len() as u64 + 1) as usize;
+        let at2 = at + r.below((bytes.len() - at) as u64 + 1) as usize;
+        assert_eq!(m.classify_body(&[&bytes[..at], &bytes[at..at2], &bytes[at2..]]), whole, "seed {s}: cut at {at}, {at2}");
+        if let Some(l) = whole.label {
+            assert!(l.index < 3 && l.score > 0.0 && l.score <= 1.0, "seed {s}: {l:?}");
+        }
+        n += 1;
+    }
+    assert!(compared > n / 2, "seed {s}: only {compared} of {n} bodies were valid JSON");
+    eprintln!("content text fuzz: seed {s}, {n} bodies, {compared} compared with the spec's reading");
 }
