@@ -280,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     render.add_argument("--namespace", default="infermesh", help="with `istio`: the pools' namespace (default infermesh)")
     render.set_defaults(func=_cmd_policy_render)
 
+    from .content_classes import register as register_classes
+    register_classes(sub)  # `infermesh classes train|eval|bench` (docs/content-classes.md)
+
     args = parser.parse_args(argv)
     return args.func(args)
 
