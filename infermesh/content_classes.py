@@ -125,7 +125,7 @@ def register(subparsers) -> None:
     train_p.add_argument("--dim", type=int, default=d.dim, help=f"hash buckets, a power of two (default {d.dim})")
     train_p.add_argument("--word-ngrams", type=int, choices=[1, 2], default=d.word_ngrams, help="1: words; 2: and word bigrams (default)")
     train_p.add_argument("--char-ngrams", type=int, nargs=2, metavar=("MIN", "MAX"), default=list(d.char_ngrams),
-                         help="character n-grams of each word, MIN..MAX (default 3 4; 0 0: off)")
+                         help="character n-grams of each word, MIN..MAX (default 3 3: trigrams; 0 0: off)")
     train_p.add_argument("--max-text-bytes", type=int, default=d.max_text_bytes, help=f"bytes of text read (default {d.max_text_bytes})")
     train_p.add_argument("--holdout", type=float, default=0.2, help="held-out fraction (default 0.2; 0: train on all)")
     train_p.add_argument("--seed", type=int, default=0)

@@ -55,7 +55,7 @@ def read_examples(path: str | Path) -> list[tuple[str, str]]:
 class FeatureSpec:
     dim: int = 16384
     word_ngrams: int = 2
-    char_ngrams: tuple[int, int] = (3, 4)
+    char_ngrams: tuple[int, int] = (3, 3)
     max_text_bytes: int = 4096
 
 

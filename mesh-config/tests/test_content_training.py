@@ -121,7 +121,7 @@ def test_train_command_writes_a_model_file_and_a_policy(tmp_path, capsys):
     assert "held out, full precision (scikit-learn): accuracy" in out and "held out, int8 (the filter's model):" in out
     assert "true \\ predicted" in out
     m = cm.load_model(tmp_path / "m.json")
-    assert (m.dim, m.max_text_bytes, m.char_ngrams) == (1024, 256, (3, 4))
+    assert (m.dim, m.max_text_bytes, m.char_ngrams) == (1024, 256, (3, 3)), "the default: character trigrams"
     # Into a policy without a model: inline, at the end, the rest of the text as it was.
     p = tmp_path / "policy.yaml"
     p.write_text(POLICY)
