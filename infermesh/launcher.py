@@ -334,6 +334,8 @@ class LocalMesh:
         self.prometheus.write_config()
         self._spawn("prometheus", self.prometheus.argv(), cpus=self.proxy_cores)
         self.wait_ready({"prometheus"}, timeout)
+        # Ready is not scraping yet: Prometheus hands its targets to the scrapers ~5 s after start.
+        wait_until(self.prometheus.all_up, timeout, every=0.25, what="Prometheus to scrape every process of the mesh")
         return self.prometheus
 
     def wait_ready(self, names: set[str], timeout: float, progress: Callable[[str], None] = lambda s: None) -> None:
