@@ -9,7 +9,6 @@ use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
-use std::rc::Rc;
 
 /// The only configuration version this build understands. A config with another version is
 /// refused rather than half-understood.
@@ -851,14 +850,6 @@ fn path_at(bytes: &[u8], end: usize, missing: Option<&str>) -> Option<String> {
     (!path.is_empty()).then_some(path)
 }
 
-/// Apply a configuration update: `current` is replaced only by one that validates, so a rejected
-/// update (the glue then tells Envoy so) leaves the last good configuration serving.
-pub fn reload(current: &mut Option<Rc<FilterConfig>>, bytes: &[u8]) -> Result<Rc<FilterConfig>, ConfigError> {
-    let cfg = Rc::new(FilterConfig::parse(bytes)?);
-    *current = Some(Rc::clone(&cfg));
-    Ok(cfg)
-}
-
 /// `v` within `limit`, or an error at `field` (the limit's own path, or a pool's for `*`).
 fn bounded(field: &str, v: u64, limit: Limit) -> Result<u64, ConfigError> {
     if (limit.min..=limit.max).contains(&v) {
@@ -1127,24 +1118,6 @@ mod tests {
         for l in LIMITS {
             assert_eq!(limits["defaults"][l.field], l.default, "{}: the parser fills in its declared default", l.field);
         }
-    }
-
-    #[test]
-    fn a_rejected_reload_keeps_the_last_good_config() {
-        let mut current = None;
-        assert!(reload(&mut current, b"{").is_err());
-        assert!(current.is_none(), "nothing good yet: nothing in force");
-        let good = reload(&mut current, GOOD.as_bytes()).unwrap();
-        assert!(Rc::ptr_eq(current.as_ref().unwrap(), &good));
-        let worse = GOOD.replace("\"default_class\": \"batch\"", "\"default_class\": \"gone\"");
-        for bad in [worse.as_bytes(), b"", b"\xff\xfe", b"null", b"[]", &GOOD.as_bytes()[..GOOD.len() / 2]] {
-            let e = reload(&mut current, bad).unwrap_err();
-            assert!(!e.to_string().is_empty());
-            assert!(Rc::ptr_eq(current.as_ref().unwrap(), &good), "{e}: the last good config stays in force");
-        }
-        let next = reload(&mut current, GOOD.replace("65536", "1024").as_bytes()).unwrap();
-        assert_eq!(current.as_ref().unwrap().max_body_bytes, 1024, "a good update after rejected ones applies");
-        assert!(Rc::ptr_eq(current.as_ref().unwrap(), &next));
     }
 
     #[test]
