@@ -302,8 +302,14 @@ def test_istiod_applies_the_pools_envoy_filter(gateway):
 # -- real requests -----------------------------------------------------------------------------------
 
 
+# The sidecars' headers for the mesh alone: the filter strips them, or (a route decided without
+# the filter) the route's own response header removal.
+MESH_ONLY = ("x-infermesh-pool-level", "x-infermesh-load", "endpoint-load-metrics")
+
+
 def served_by(r: httpx.Response) -> str:
     assert r.status_code == 200, r.text[:500]
+    assert not set(MESH_ONLY) & set(r.headers), f"internal headers reached the client: {set(MESH_ONLY) & set(r.headers)}"
     return r.headers["x-infermesh-served-by"]
 
 

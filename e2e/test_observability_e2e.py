@@ -44,7 +44,7 @@ pytestmark = pytest.mark.e2e
 PIN = REPO_ROOT / "charts" / "tests" / "values" / "filter-pin.yaml"
 RATE = "10s"  # $__rate_interval: ten scrapes at the 1 s interval
 VARIABLES = {"namespace": NAMESPACE, "pool": ".*", "class": ".*"}
-INTERNAL = ("x-infermesh-pool-level", "x-infermesh-class", "x-infermesh-rule", "x-infermesh-pool", "endpoint-load-metrics")
+INTERNAL = ("x-infermesh-pool-level", "x-infermesh-load", "x-infermesh-class", "x-infermesh-rule", "x-infermesh-pool", "endpoint-load-metrics")
 TRIP_ALERTS = {"InfermeshPoolDegraded", "InfermeshPoolCriticalOnly", "InfermeshBreakerOpen"}
 
 

@@ -46,6 +46,8 @@ POOL_HEADER = "x-infermesh-pool"
 CLASS_HEADER = "x-infermesh-class"
 RULE_HEADER = "x-infermesh-rule"
 POOL_LEVEL_HEADER = "x-infermesh-pool-level"
+LOAD_HEADER = "x-infermesh-load"
+"""The sidecar's utilization for the filter's prefix table (sidecar/response_headers.py); internal."""
 PREFIX_HOST_HEADER = "x-infermesh-prefix-host"
 """base64(IP:PORT) of the replica that served a prefix: the filter names it on the request,
 Envoy's stateful session filter names the one that served on the response (docs/prefix-routing.md)."""
@@ -744,7 +746,7 @@ def native_match(match: Match) -> dict | None:
 
 def decided_routes(m: MeshListener, routing: Routing, name: str, match: dict, cls: str, rule: str) -> list[dict]:
     """Routes that decide `cls` in Envoy: the class's headers added, the filter off, the
-    sidecars' internal pool-level header dropped (the filter, which would strip it, is off)."""
+    sidecars' internal pool-level and load headers dropped (the filter, which would strip them, is off)."""
     pool = routing.classes[cls].pool
     headers = {CLASS_HEADER: cls, POOL_HEADER: pool, RULE_HEADER: rule}
     if routing.emit_objective_header:
@@ -755,7 +757,7 @@ def decided_routes(m: MeshListener, routing: Routing, name: str, match: dict, cl
     out = pool_routes(m, name, pool, match, routing.classes[cls])
     for r in out:
         r["request_headers_to_add"] = add + deadline_headers(m, routing.classes[cls], pool)
-        r["response_headers_to_remove"] = [POOL_LEVEL_HEADER]
+        r["response_headers_to_remove"] = [POOL_LEVEL_HEADER, LOAD_HEADER]
         r["typed_per_filter_config"] = filter_off(m)
         # Per-route stats, tagged by class/pool/rule like the filter's own counter.
         r["stat_prefix"] = f"infermesh.class.{cls}.pool.{pool}.rule.{rule}"

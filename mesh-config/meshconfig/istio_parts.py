@@ -359,8 +359,10 @@ def _route_part(r: dict, pools: dict[str, tuple[str, bool]]) -> RoutePart | None
         op = "add" if h.get("append_action") == "APPEND_IF_EXISTS_OR_ADD" else "set"
         request.setdefault(op, {})[h["header"]["key"]] = h["header"]["value"]
     # The replicas' load reports are Envoy's alone (the plain-Envoy route table removes them on
-    # its virtual host; the router reads them before either removal).
-    http["headers"] = {**({"request": request} if request else {}), "response": {"remove": [ORCA_HEADER]}}
+    # its virtual host; the router reads them before either removal); a route decided without the
+    # filter also drops the sidecars' internal headers the filter would have read and stripped.
+    remove = [ORCA_HEADER] + r.get("response_headers_to_remove", [])
+    http["headers"] = {**({"request": request} if request else {}), "response": {"remove": remove}}
     # No route timeout (a streamed completion may run for minutes) is Istio's default; istiod's
     # validation refuses an explicit "0s" (durations must be >= 1ms), so the field stays out.
     if r["route"]["timeout"] != "0s":

@@ -113,8 +113,8 @@ def test_native_rules_decide_in_the_route_table_and_send_only_body_rules_to_the_
     # Client x-infermesh-* headers go before any route is chosen.
     strip = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"][0]["remove_on_match"]
     assert strip == {"key_matcher": {"prefix": "x-infermesh-"}}
-    # The filter is off there: Envoy drops the sidecars' internal pool-level header itself.
-    assert by_name["default-pool"]["response_headers_to_remove"] == ["x-infermesh-pool-level"]
+    # The filter is off there: Envoy drops the sidecars' internal pool-level and load headers itself.
+    assert by_name["default-pool"]["response_headers_to_remove"] == ["x-infermesh-pool-level", "x-infermesh-load"]
     assert "response_headers_to_remove" not in chat, "where the filter runs, it reads and strips the header"
 
 

@@ -143,7 +143,8 @@ def test_native_rules_strip_client_headers_before_routing_and_turn_the_filter_of
     # (Its prefix narrowed to the one path of the serving API it covers.)
     assert chat["match"] == [{"uri": {"exact": "/v1/chat/completions"}, "method": {"regex": "[Pp][Oo][Ss][Tt]"}}]
     assert chat["headers"] == {"request": {"add": {"x-infermesh-class": "chat", "x-infermesh-pool": "fast", "x-infermesh-rule": "chat"}},
-                               "response": {"remove": ["endpoint-load-metrics"]}}
+                               # Decided without the filter: the sidecars' internal headers go too.
+                               "response": {"remove": ["endpoint-load-metrics", "x-infermesh-pool-level", "x-infermesh-load"]}}
 
 
 def test_a_match_istio_cannot_say_hands_the_rest_to_the_filter():

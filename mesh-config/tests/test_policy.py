@@ -139,7 +139,7 @@ def test_shed_classes_are_decided_by_the_filter_and_no_route_is_rewritten():
     # Without when_degraded: native routes, and they drop the pool-level header.
     plain = LocalMeshPlan(policy=parse_policy(NO_DEGRADED))
     native = [r for r in route_config(plain.listener(Path("/x.wasm")))["virtual_hosts"][0]["routes"] if "request_headers_to_add" in r]
-    assert native and all(r["response_headers_to_remove"] == ["x-infermesh-pool-level"] for r in native)
+    assert native and all(r["response_headers_to_remove"] == ["x-infermesh-pool-level", "x-infermesh-load"] for r in native)
 
 
 PRODUCTION = POLICIES / "production.yaml"
