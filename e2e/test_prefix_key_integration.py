@@ -2,7 +2,7 @@
 filter, in both runtimes, in front of the echo upstreams (which return the headers they got): a
 keyed class's request reaches its pool with the filter's `x-infermesh-prefix-key`, the same
 chain the filter's own parser computes; a client's copy never reaches it; requests with no usable
-prefix, or of a class without a key, carry none. (Picking a replica by the key is not built yet.)
+prefix, or of a class without a key, carry none. (Picking a replica by the key: e2e/test_prefix_routing_e2e.py.)
 """
 
 from __future__ import annotations
