@@ -29,6 +29,8 @@ pub const MAX_TEXT_BYTES: u64 = 65_536;
 /// The only model format version this build reads.
 pub const MODEL_VERSION: u32 = 1;
 
+use crate::base64::decode as base64_decode;
+
 const FNV_BASIS: u32 = 0x811c_9dc5;
 const FNV_PRIME: u32 = 0x0100_0193;
 
@@ -96,40 +98,6 @@ pub(crate) struct RawContentModel {
     scale: f64,
     bias: Vec<f64>,
     weights: String,
-}
-
-/// Standard base64 with padding; `None` for anything else (wrong length, alphabet or padding).
-fn base64_decode(s: &str) -> Option<Vec<u8>> {
-    let b = s.as_bytes();
-    if b.len() % 4 != 0 {
-        return None;
-    }
-    let value = |c: u8| -> Option<u32> {
-        Some(u32::from(match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return None,
-        }))
-    };
-    let mut out = Vec::with_capacity(b.len() / 4 * 3);
-    let quads = b.len() / 4;
-    for (q, quad) in b.chunks_exact(4).enumerate() {
-        let pad = if q + 1 == quads { quad.iter().rev().take_while(|&&c| c == b'=').count() } else { 0 };
-        if pad > 2 {
-            return None;
-        }
-        let mut n = 0u32;
-        for &c in quad.get(..4 - pad)? {
-            n = n << 6 | value(c)?;
-        }
-        n <<= 6 * pad as u32;
-        let bytes = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
-        out.extend_from_slice(bytes.get(..3 - pad)?);
-    }
-    Some(out)
 }
 
 impl ContentModel {

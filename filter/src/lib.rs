@@ -8,6 +8,7 @@
 //! `dynamic_module.rs` (feature `dynamic-module`: the same filter as a native Envoy dynamic module).
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod base64;
 pub mod body;
 pub mod classify;
 pub mod config;

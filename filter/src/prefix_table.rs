@@ -231,46 +231,16 @@ impl SharedData for ProcessSharedData {
     fn count(&self, _id: CounterId) {}
 }
 
-const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+pub use crate::base64::encode as base64_encode;
 
-/// Standard base64 with padding: how Envoy's header-based session state writes and reads a host.
-pub fn base64_encode(b: &[u8]) -> String {
-    let mut out = String::with_capacity((b.len() + 2) / 3 * 4);
-    for c in b.chunks(3) {
-        let n = (u32::from(c[0]) << 16) | (u32::from(*c.get(1).unwrap_or(&0)) << 8) | u32::from(*c.get(2).unwrap_or(&0));
-        for i in 0..4 {
-            if i <= c.len() {
-                out.push(B64[(n >> (18 - 6 * i)) as usize & 63] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-/// The inverse of `base64_encode` (None: not standard padded base64, or longer than `MAX_ADDR`).
+/// A host address from Envoy's session header: standard padded base64 (`crate::base64::decode`)
+/// no longer than an `IP:PORT` of `MAX_ADDR` bytes needs.
 pub fn base64_decode(s: &str) -> Option<Vec<u8>> {
-    let s = s.trim().as_bytes();
-    if s.len() % 4 != 0 || s.len() > (MAX_ADDR + 2) / 3 * 4 {
+    let s = s.trim();
+    if s.len() > (MAX_ADDR + 2) / 3 * 4 {
         return None;
     }
-    let val = |c: u8| B64.iter().position(|&x| x == c).map(|p| p as u32);
-    let mut out = Vec::with_capacity(s.len() / 4 * 3);
-    for (i, q) in s.chunks(4).enumerate() {
-        let last = i == s.len() / 4 - 1;
-        let pad = q.iter().rev().take_while(|&&c| c == b'=').count();
-        if pad > 2 || (pad > 0 && !last) {
-            return None;
-        }
-        let mut n = 0u32;
-        for &c in &q[..4 - pad] {
-            n = (n << 6) | val(c)?;
-        }
-        n <<= 6 * pad as u32;
-        out.extend_from_slice(&n.to_be_bytes()[1..4 - pad]);
-    }
-    Some(out)
+    crate::base64::decode(s)
 }
 
 #[cfg(test)]
