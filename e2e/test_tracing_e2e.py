@@ -74,7 +74,9 @@ class Collector:
         out = []
         if not self.out.exists():
             return out
-        for line in self.out.read_text().splitlines():
+        # The file exporter may be mid-way through a line: only the lines it has ended are read.
+        text = self.out.read_text()
+        for line in text[:text.rfind("\n") + 1].splitlines():
             for rs in json.loads(line).get("resourceSpans", []):
                 service = attrs(rs["resource"].get("attributes", [])).get("service.name")
                 for ss in rs.get("scopeSpans", []):

@@ -34,6 +34,7 @@ import json
 import os
 import random
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -70,6 +71,9 @@ class DrillOptions:
     """Pool the fault hits (default: the pool of the most important class)."""
     model: str | None = None
     """Model name the load asks for (default: a name every pool accepts)."""
+    trace_requests: bool = False
+    """Each request carries a traceparent of its own (not sampled), so its line in Envoy's
+    access log can be found (`Request.trace_id`): where the mesh's time and the client's part."""
 
 
 class Drill:
@@ -88,6 +92,8 @@ class Drill:
         self.requests: list[Request] = []
         self.samples: list[Sample] = []
         self.t0 = time.monotonic()
+        self.t0_wall = time.time()
+        """The wall clock at `t0`: a request's `sent` on the access log's clock."""
         self._tasks: set[asyncio.Task] = set()
         self.stop_load = asyncio.Event()
 
@@ -110,6 +116,12 @@ class Drill:
             nxt += rnd.uniform(0.5, 1.5) / rate
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop_load.wait(), timeout=max(0.0, nxt - self.now()))
+
+    def _headers(self, r: Request) -> dict[str, str]:
+        if not self.opt.trace_requests:
+            return {}
+        r.trace_id = secrets.token_hex(16)
+        return {"traceparent": f"00-{r.trace_id}-{secrets.token_hex(8)}-00"}
 
     def _record(self, r: Request, resp: httpx.Response) -> None:
         r.status = resp.status_code
@@ -137,7 +149,7 @@ class Drill:
         r = Request("interactive", self.now())
         self.requests.append(r)
         try:
-            async with self.client.stream("POST", "/v1/chat/completions", json=self.chat_body()) as resp:
+            async with self.client.stream("POST", "/v1/chat/completions", json=self.chat_body(), headers=self._headers(r)) as resp:
                 self._record(r, resp)
                 if resp.status_code != 200:
                     r.error_code = self._error_code(await resp.aread())
@@ -162,7 +174,7 @@ class Drill:
         self.requests.append(r)
         body = {"model": self.model, "prompt": "Summarise: the quick brown fox jumps over the lazy dog.", "max_tokens": 24, "temperature": 0}
         try:
-            resp = await self.client.post("/v1/completions", json=body)
+            resp = await self.client.post("/v1/completions", json=body, headers=self._headers(r))
             self._record(r, resp)
             if resp.status_code == 200:
                 r.stage = "body"

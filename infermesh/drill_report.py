@@ -74,6 +74,8 @@ class Request:
     """Bad input: the documented statuses."""
     abandoned: bool = False
     outcome: str = ""
+    trace_id: str | None = None
+    """The trace id of the traceparent it carried (DrillOptions.trace_requests)."""
 
     @property
     def pool(self) -> str | None:
