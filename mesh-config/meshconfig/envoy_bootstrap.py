@@ -6,6 +6,7 @@ parts over xDS (xds_snapshot.py).
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -28,8 +29,8 @@ __all__ = ["MeshListener", "PoolEndpoint", "bootstrap", "write_bootstrap"]
 
 def bootstrap(m: MeshListener) -> dict:
     return {
-        "stats_config": {"stats_tags": FILTER_STATS_TAGS},
-        "layered_runtime": LAYERED_RUNTIME,
+        "stats_config": {"stats_tags": copy.deepcopy(FILTER_STATS_TAGS)},
+        "layered_runtime": copy.deepcopy(LAYERED_RUNTIME),
         "admin": admin(m.admin_port),
         "static_resources": {
             "listeners": [listener(m, http_connection_manager(m, inline_routes(m)))],

@@ -13,6 +13,10 @@ endpoints over EDS). istio.py reuses the Wasm filter (`wasm_filter_config`) and 
 Routing decisions come from the typed policy (`Routing`: classes, rules, the default class);
 the filter's JSON config is only carried inside the Wasm filter.
 
+Each part is a fresh dict per call: a module constant goes into it as a copy, since a caller may
+edit what it gets (protobuf's ParseDict deletes and re-adds each Any's "@type"), and an edited
+constant would change every later caller's output (mesh-config/tests/test_generation_history.py).
+
 Degraded-mode routing (`when_degraded`, docs/filter.md) is split between Envoy and the filter:
 - spill is Envoy's own: a pool whose policy names a `when_degraded.spill_to` pool gets that
   pool's endpoints at priority 1 of its clusters, and its health check asks the sidecar's state
@@ -30,6 +34,7 @@ Degraded-mode routing (`when_degraded`, docs/filter.md) is split between Envoy a
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -306,7 +311,7 @@ WASM_OFF = {WASM_FILTER: FILTER_DISABLED}
 
 def filter_off(m: MeshListener) -> dict:
     """A route's `typed_per_filter_config` that skips the filter (a natively decided route)."""
-    return {m.filter_name: FILTER_DISABLED}
+    return {m.filter_name: copy.deepcopy(FILTER_DISABLED)}
 
 
 # -- retry and limit settings --------------------------------------------------------------------
@@ -506,7 +511,7 @@ def pool_routes(m: MeshListener, name: str, target: str, match: dict, cls: Class
     routes = []
     headers = match.get("headers", [])
     if m.pool(target).grpc_port:
-        routes.append({"name": f"{name}-grpc", "match": dict(match, headers=headers + [GRPC_CONTENT_TYPE]),
+        routes.append({"name": f"{name}-grpc", "match": dict(match, headers=headers + [copy.deepcopy(GRPC_CONTENT_TYPE)]),
                        "route": route_action(m, target, True, cls)})
     routes.append({"name": name, "match": dict(match), "route": route_action(m, target, False, cls)})
     if add := deadline_headers(m, cls, target):
@@ -858,11 +863,11 @@ def cluster(m: MeshListener, p: PoolEndpoint, grpc: bool, *, eds: bool, limits: 
         "load_balancing_policy": WEIGHTED_ROUND_ROBIN.policy(),
     }
     if eds:
-        c |= {"type": "EDS", "eds_cluster_config": {"eds_config": ADS_SOURCE, "service_name": c["name"]}}
+        c |= {"type": "EDS", "eds_cluster_config": {"eds_config": copy.deepcopy(ADS_SOURCE), "service_name": c["name"]}}
     else:
         c |= {"type": "STATIC", "load_assignment": load_assignment(m, p.pool, grpc)}
     if grpc:
-        c["typed_extension_protocol_options"] = HTTP2_UPSTREAM
+        c["typed_extension_protocol_options"] = copy.deepcopy(HTTP2_UPSTREAM)
     return c
 
 
@@ -875,7 +880,7 @@ def state_clusters(m: MeshListener, *, eds: bool) -> list[dict]:
     for pool in state_cluster_pools(m):
         c: dict = {"name": state_cluster_name(pool), "connect_timeout": POOL_LIMITS.connect_timeout}
         if eds:
-            c |= {"type": "EDS", "eds_cluster_config": {"eds_config": ADS_SOURCE, "service_name": c["name"]}}
+            c |= {"type": "EDS", "eds_cluster_config": {"eds_config": copy.deepcopy(ADS_SOURCE), "service_name": c["name"]}}
         else:
             c |= {"type": "STATIC", "load_assignment": state_load_assignment(m, pool)}
         out.append(c)
@@ -934,7 +939,7 @@ def inline_routes(m: MeshListener) -> dict:
 def rds_routes() -> dict:
     """The HCM's route table over RDS: a route change (a policy edit, a degraded pool) then
     updates the table in place instead of replacing the listener and draining its connections."""
-    return {"rds": {"config_source": ADS_SOURCE, "route_config_name": ROUTE_CONFIG_NAME}}
+    return {"rds": {"config_source": copy.deepcopy(ADS_SOURCE), "route_config_name": ROUTE_CONFIG_NAME}}
 
 
 def http_connection_manager(m: MeshListener, route_source: dict) -> dict:
@@ -944,10 +949,10 @@ def http_connection_manager(m: MeshListener, route_source: dict) -> dict:
         "stat_prefix": "infermesh",
         "codec_type": "AUTO",
         "stream_idle_timeout": "120s",
-        "local_reply_config": LOCAL_REPLY_CONFIG,
+        "local_reply_config": copy.deepcopy(LOCAL_REPLY_CONFIG),
         **({"access_log": access_log(m.access_log_path)} if m.access_log_path else {}),
         **({"tracing": hcm_tracing(m.tracing)} if m.tracing.on else {}),
-        **({"early_header_mutation_extensions": STRIP_CLIENT_HEADERS} if uses_native_rules(m) else {}),
+        **({"early_header_mutation_extensions": copy.deepcopy(STRIP_CLIENT_HEADERS)} if uses_native_rules(m) else {}),
         **route_source,
         "http_filters": [
             filter_http_filter(m),
@@ -1028,7 +1033,7 @@ def access_log(path: str) -> list[dict]:
 
     return [{"name": "envoy.access_loggers.file", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
-        "path": path, "log_format": {"json_format": ACCESS_LOG_FORMAT}}}]
+        "path": path, "log_format": {"json_format": copy.deepcopy(ACCESS_LOG_FORMAT)}}}]
 
 
 def listener(m: MeshListener, hcm: dict) -> dict:

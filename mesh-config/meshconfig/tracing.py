@@ -17,6 +17,7 @@ envoy_resources.py puts them in where MeshListener.tracing is on: the HCM of bot
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 
 from infermesh.settings import TracingSettings
@@ -73,7 +74,7 @@ def collector_cluster(settings: TracingSettings) -> dict | None:
         "name": COLLECTOR_CLUSTER,
         "type": kind,
         "connect_timeout": "1s",
-        "typed_extension_protocol_options": HTTP2,
+        "typed_extension_protocol_options": copy.deepcopy(HTTP2),
         "load_assignment": {"cluster_name": COLLECTOR_CLUSTER, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}]},
     }

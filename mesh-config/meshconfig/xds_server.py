@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import logging
 import signal
 import sys
@@ -88,8 +89,8 @@ def xds_bootstrap(admin_port: int, xds_host: str, xds_port: int, node_id: str = 
     """Envoy bootstrap that takes listeners and clusters from this control plane (ADS)."""
     return {
         "node": {"id": node_id, "cluster": "infermesh"},
-        "stats_config": {"stats_tags": FILTER_STATS_TAGS},
-        "layered_runtime": LAYERED_RUNTIME,
+        "stats_config": {"stats_tags": copy.deepcopy(FILTER_STATS_TAGS)},
+        "layered_runtime": copy.deepcopy(LAYERED_RUNTIME),
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
         "dynamic_resources": {
             "ads_config": {

@@ -85,7 +85,7 @@ def discovered_filter(hcm: dict, routes: dict, filter_name: str) -> tuple[dict, 
     hcm, routes = copy.deepcopy(hcm), copy.deepcopy(routes)
     [i] = [i for i, f in enumerate(hcm["http_filters"]) if f["name"] == filter_name]
     ecds = {"name": FILTER_EXTENSION, "typed_config": hcm["http_filters"][i]["typed_config"]}
-    hcm["http_filters"][i] = {"name": FILTER_EXTENSION, "config_discovery": {"config_source": ADS_SOURCE, "type_urls": FILTER_TYPE_URLS}}
+    hcm["http_filters"][i] = {"name": FILTER_EXTENSION, "config_discovery": {"config_source": copy.deepcopy(ADS_SOURCE), "type_urls": list(FILTER_TYPE_URLS)}}
     for vh in routes.get("virtual_hosts", []):
         for r in vh.get("routes", []):
             per = r.get("typed_per_filter_config", {})
@@ -194,10 +194,9 @@ def build_snapshot(policy: Policy, target: MeshTarget) -> Snapshot:
     """The checked snapshot for a policy and the target."""
     m = mesh_listener(policy, target)
 
-    def parse(d: dict, msg):
-        # On a copy: ParseDict deletes and re-adds each Any's "@type" in the dict it reads, and the
-        # parts hand out shared constants, which would come back reordered for every later user.
-        return json_format.ParseDict(copy.deepcopy(d), msg)
+    # ParseDict deletes and re-adds each Any's "@type" in the dict it reads: the parts are fresh
+    # dicts per call, so that stays in these (mesh-config/tests/test_generation_history.py).
+    parse = json_format.ParseDict
 
     hcm, routes, ecds = discovered_filter(http_connection_manager(m, rds_routes()), route_config(m), m.filter_name)
     resources = {
