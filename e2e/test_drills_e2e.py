@@ -10,8 +10,10 @@ PNG timelines (docs/drills.md shows one)."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,21 @@ E2E_POLICY = load_policy(Path(__file__).resolve().parent / "policy-e2e.yaml")
 
 @pytest.mark.parametrize("name", [n for n, s in SCENARIOS.items() if s.unfit(E2E_POLICY, None) is None])
 def test_drill(local_mesh, name, tmp_path):
-    rep = asyncio.run(Drill(local_mesh, progress=lambda m: print(f"[drill] {m}", flush=True)).run(SCENARIOS[name]))
+    # One drill with the mesh's own Prometheus: the report links the dashboards' queries in it.
+    prom = local_mesh.start_prometheus() if name == "kv-cache" else None
+    try:
+        rep = asyncio.run(Drill(local_mesh, progress=lambda m: print(f"[drill] {m}", flush=True)).run(SCENARIOS[name]))
+        if prom is not None:
+            time.sleep(2.5)  # the last scrapes
+            start, end = (datetime.datetime.fromisoformat(rep["window"][k]).timestamp() for k in ("start", "end"))
+            level = next(q for q in rep["queries"] if q["panel"] == "Degradation level")
+            assert level["link"].startswith(prom.url + "/graph?"), level
+            # What the link shows: the fault pool degraded during the drill, as its own state said.
+            series = prom.query_range(level["exprs"][0], start, end + 2, 1)
+            assert max(float(v) for s in series for _, v in s["values"]) >= 1, series
+    finally:
+        if prom is not None:
+            local_mesh.stop_child("prometheus")
     print(format_report(rep), flush=True)
     out = Path(os.environ.get("INFERMESH_DRILL_OUT") or tmp_path)
     out.mkdir(parents=True, exist_ok=True)
@@ -42,3 +58,6 @@ def test_drill(local_mesh, name, tmp_path):
     # Something really ran: a steady load of both kinds (1 chat/s, 0.5 completions/s by default).
     assert rep["requests"]["interactive"]["sent"] >= 12, rep["requests"]["interactive"]
     assert rep["requests"]["batch"]["sent"] >= 5, rep["requests"]["batch"]
+    # The report names the chart dashboards' queries over its window, on the fault pool.
+    assert rep["window"]["start"] < rep["window"]["end"] and len(rep["queries"]) == 8
+    assert all(q["exprs"] for q in rep["queries"])

@@ -119,8 +119,11 @@ def _cmd_drill(args: argparse.Namespace) -> int:
         if not args.policy:
             print("drill: --gateway needs --policy (the policy the cluster runs)", file=sys.stderr)
             return 2
-        return run_remote(names, Path(args.policy), args.gateway, args.admin, opts, args.json)
-    return run_cli(names, Path(args.policy) if args.policy else None, opts, args.json, args.plot)
+        return run_remote(names, Path(args.policy), args.gateway, args.admin, opts, args.json, args.prometheus)
+    if args.prometheus:
+        print("drill: --prometheus is for --gateway (a local mesh's own Prometheus: --observe)", file=sys.stderr)
+        return 2
+    return run_cli(names, Path(args.policy) if args.policy else None, opts, args.json, args.plot, args.observe)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -253,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     drill.add_argument("--gateway", metavar="URL", help="run against a running mesh at this URL (a cluster's gateway) instead of a local one")
     drill.add_argument("--admin", metavar="POOL=URL", action="append", default=[],
                        help="with --gateway: a pod's admin API of that pool, e.g. through `kubectl port-forward` (repeat)")
+    drill.add_argument("--observe", action="store_true",
+                       help="also run the local mesh's own Prometheus (as `up --observe`); the report links the dashboards' queries over the drill in it")
+    drill.add_argument("--prometheus", metavar="URL", help="with --gateway: a Prometheus scraping the cluster's mesh, which the report links")
     drill.set_defaults(func=_cmd_drill)
 
     bench = sub.add_parser("bench", help="vllm serve vs plain Envoy vs infermesh, side by side on this machine (docs/bench.md)",

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import os
 import random
@@ -278,7 +279,23 @@ class Drill:
         exp = scenario.expectation(self)
         rep = build_report(scenario.name, scenario.describe(self), exp, self.requests, self.samples, marks, self.pools, checks)
         rep.update(scenario.report_sections(self))
+        rep.update(self._queries(marks))
         return rep
+
+    def _queries(self, marks: Marks) -> dict:
+        """The drill's window on the wall clock and the chart dashboards' queries over it, linked
+        to the Prometheus that scrapes the mesh when there is one (docs/drills.md)."""
+        from .observe import NAMESPACE, drill_queries
+
+        start, end = self.t0_wall + marks.baseline, self.t0_wall + marks.end
+        prometheus = getattr(self.mesh, "prometheus", None)
+        url = prometheus if isinstance(prometheus, str) else getattr(prometheus, "url", None)
+        remote = isinstance(self.mesh, RemoteMesh)  # a cluster's Prometheus: any namespace, scraped every 15-30 s
+        utc = datetime.timezone.utc
+        return {"window": {"start": datetime.datetime.fromtimestamp(start, utc).isoformat(timespec="seconds"),
+                           "end": datetime.datetime.fromtimestamp(end, utc).isoformat(timespec="seconds")},
+                "queries": drill_queries(start, end, self.fault_pool, url, namespace=".*" if remote else NAMESPACE,
+                                         rate_interval="1m" if remote else "10s")}
 
 
 def _common_model(policy: Policy) -> str:
@@ -823,6 +840,8 @@ class RemoteMesh:
     """Only `.policy` is read: the policy the cluster runs (the chart's values)."""
     base_url: str
     admins: dict[str, str]
+    prometheus: str | None = None
+    """The URL of a Prometheus that scrapes the cluster's mesh (`--prometheus`): the report links its graphs."""
 
     def admin_url(self, pool: str, replica: int = 0) -> str:
         if replica:
@@ -830,7 +849,8 @@ class RemoteMesh:
         return self.admins[pool]
 
 
-def run_remote(names: list[str], policy_path: Path, gateway: str, admins: list[str], options: DrillOptions, as_json: bool) -> int:
+def run_remote(names: list[str], policy_path: Path, gateway: str, admins: list[str], options: DrillOptions, as_json: bool,
+               prometheus: str | None = None) -> int:
     """`infermesh drill SCENARIO --gateway URL --admin POOL=URL ...`: the scenarios against a running
     mesh (docs/kubernetes.md, "Drills against a cluster")."""
     from types import SimpleNamespace
@@ -856,7 +876,7 @@ def run_remote(names: list[str], policy_path: Path, gateway: str, admins: list[s
     if problems:
         say("; ".join(problems))
         return 2
-    mesh = RemoteMesh(SimpleNamespace(policy=policy), gateway.rstrip("/"), urls)
+    mesh = RemoteMesh(SimpleNamespace(policy=policy), gateway.rstrip("/"), urls, prometheus)
     reports = _run_scenarios(mesh, names, options, say, lambda name, rep: as_json or print(format_report(rep), flush=True))
     if reports is None:
         return 2
@@ -892,9 +912,11 @@ def _run_scenarios(mesh, names: list[str], options: DrillOptions, say: Callable[
     return reports
 
 
-def run_cli(names: list[str], policy_path: Path | None, options: DrillOptions, as_json: bool, plot: str | None) -> int:
+def run_cli(names: list[str], policy_path: Path | None, options: DrillOptions, as_json: bool, plot: str | None,
+            observe: bool = False) -> int:
     """`infermesh drill`: start a local mesh on free ports from a copy of the policy, run the
-    scenarios one after another on it, print the reports; exit 1 if any check failed."""
+    scenarios one after another on it, print the reports; exit 1 if any check failed. `observe`:
+    the mesh's own Prometheus too, which the reports link (observe.drill_queries)."""
     import shutil
     import tempfile
 
@@ -923,7 +945,7 @@ def run_cli(names: list[str], policy_path: Path | None, options: DrillOptions, a
     policy_copy = run_dir / "policy.yaml"  # the invalid-policy drill writes over it, never over yours
     shutil.copyfile(source, policy_copy)
     build_all()
-    mesh = LocalMesh(plan_on_free_ports(policy_copy), run_dir)
+    mesh = LocalMesh(plan_on_free_ports(policy_copy), run_dir, observe=observe)
     reports = []
     try:
         t0 = time.monotonic()

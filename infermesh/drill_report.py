@@ -475,6 +475,12 @@ def format_report(rep: dict) -> str:
         lines.append(f"  replica {who}, its sidecar's own count of requests finished during the drill by status: "
                      + (", ".join(f"{st} ×{n}" for st, n in v["finished"].items()) or "none")
                      + f"; vLLM held at most {v['max_unfinished']} at once")
+    if rep.get("queries"):
+        w = rep["window"]
+        lines.append("")
+        lines.append(f"  the chart's dashboards over the drill ({w['start']} to {w['end']}):")
+        for q in rep["queries"]:
+            lines.append(f"    {q['panel']}: " + (q["link"] or " ; ".join(q["exprs"])))
     lines.append("")
     for c in rep["checks"]:
         lines.append(f"  [{'pass' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}")

@@ -405,6 +405,8 @@ class LocalMesh:
             c.proc.kill()
             c.proc.wait()
         self.children.remove(c)
+        if name == "prometheus":
+            self.prometheus = None
 
     def stop(self, grace: float = 25.0) -> None:
         # Envoy first (no new traffic), then the control plane, then the sidecars drain in parallel.

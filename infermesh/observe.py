@@ -10,7 +10,9 @@ series unchanged; docs/observability.md.
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import re
 import shutil
 import urllib.error
@@ -176,3 +178,53 @@ def without_threshold(expr: str) -> str:
     must have data while the mesh is healthy, when the alert itself rightly has none."""
     m = re.fullmatch(r"(?s)\s*(.*?)\s*(?:>=|<=|==|!=|>|<)\s*[-+]?[0-9.eE]+\s*", expr)
     return m.group(1) if m else expr
+
+
+DASHBOARDS = Path(__file__).resolve().parent.parent / "charts" / "infermesh" / "dashboards"
+"""The chart's Grafana dashboards (JSON models): the queries a drill's report links are theirs."""
+
+DRILL_PANELS = (
+    ("infermesh-pools", "Degradation level"),
+    ("infermesh-pools", "Breaker state"),
+    ("infermesh-pools", "Breaker signals"),
+    ("infermesh-pools", "KV cache use"),
+    ("infermesh-classes", "Requests by class and outcome"),
+    ("infermesh-classes", "Time to first token by class (p50, p95, p99)"),
+    ("infermesh-classes", "Shed by class"),
+    ("infermesh-classes", "Spilled requests"),
+)
+"""(dashboard file, panel title): what a person reading a drill's report looks at next."""
+
+
+def load_dashboards(directory: Path = DASHBOARDS) -> dict[str, dict]:
+    """The dashboards by file name without `.json`."""
+    return {f.stem: json.loads(f.read_text()) for f in sorted(directory.glob("*.json"))}
+
+
+def graph_link(prometheus_url: str, exprs: list[str], start: float, end: float) -> str:
+    """Prometheus' own graph page with `exprs` over [start, end] (wall clock, s): its URL
+    parameters (`g0.expr`, `g0.range_input`, `g0.end_input` in UTC)."""
+    span = f"{max(1, math.ceil(end - start))}s"
+    at = datetime.datetime.fromtimestamp(end, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    params: dict[str, str] = {}
+    for i, e in enumerate(exprs):
+        params |= {f"g{i}.expr": e, f"g{i}.tab": "0", f"g{i}.range_input": span, f"g{i}.end_input": at}
+    return f"{prometheus_url.rstrip('/')}/graph?{urllib.parse.urlencode(params)}"
+
+
+def drill_queries(start: float, end: float, pool: str, prometheus_url: str | None = None, namespace: str = NAMESPACE,
+                  rate_interval: str = "10s", dashboards: dict[str, dict] | None = None) -> list[dict]:
+    """The DRILL_PANELS' queries for a drill's window [start, end] (wall clock) on `pool` (the
+    pools dashboard's `$pool`; every class), each panel with a link to them in `prometheus_url`'s
+    graph page when a Prometheus scrapes the mesh (`infermesh drill --observe`, `--prometheus`)."""
+    boards = load_dashboards() if dashboards is None else dashboards
+    variables = {"namespace": namespace, "pool": pool, "class": ".*"}
+    out = []
+    for board, title in DRILL_PANELS:
+        exprs = [q.expr for q in panel_queries(boards[board], rate_interval, variables) if q.panel == title]
+        if not exprs:
+            raise KeyError(f"the chart's {board} dashboard has no panel {title!r} (observe.DRILL_PANELS)")
+        out.append({"dashboard": boards[board]["title"], "panel": title, "exprs": exprs,
+                    "link": graph_link(prometheus_url, exprs, start, end) if prometheus_url else None})
+    return out
+
