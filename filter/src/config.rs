@@ -65,8 +65,13 @@ pub const AT_LEVEL: Limit = Limit {
 pub const PREFIX_MAX_KEYS: Limit =
     Limit { field: "classes.*.prefix_key.max_keys", min: 1, max: crate::prefix_key::MAX_KEYS as u64, default: 4 };
 pub const PREFIX_CHUNK_BYTES: Limit = Limit { field: "classes.*.prefix_key.chunk_bytes", min: 64, max: 65536, default: 1024 };
+/// The load bound on naming a keyed class's replica (prefix_table::LoadBound): percent over the
+/// pool's mean, the floor under which it never applies, the ceiling over which it always does.
+pub const PREFIX_LOAD_OVER_MEAN_PCT: Limit = Limit { field: "classes.*.prefix_key.load_over_mean_pct", min: 0, max: 400, default: 25 };
+pub const PREFIX_LOAD_FLOOR_PCT: Limit = Limit { field: "classes.*.prefix_key.load_floor_pct", min: 0, max: 100, default: 50 };
+pub const PREFIX_LOAD_CEILING_PCT: Limit = Limit { field: "classes.*.prefix_key.load_ceiling_pct", min: 1, max: 100, default: 90 };
 /// Every bounded integer field the parser checks.
-pub const LIMITS: [Limit; 9] = [
+pub const LIMITS: [Limit; 12] = [
     BODY_MAX_BYTES,
     PROBE_INTERVAL_MS,
     PROBE_TIMEOUT_MS,
@@ -76,6 +81,9 @@ pub const LIMITS: [Limit; 9] = [
     AT_LEVEL,
     PREFIX_MAX_KEYS,
     PREFIX_CHUNK_BYTES,
+    PREFIX_LOAD_OVER_MEAN_PCT,
+    PREFIX_LOAD_FLOOR_PCT,
+    PREFIX_LOAD_CEILING_PCT,
 ];
 
 pub const DEFAULT_PROBE_INTERVAL_MS: u64 = PROBE_INTERVAL_MS.default;
@@ -184,6 +192,24 @@ struct RawPrefixKey {
     max_keys: u64,
     #[serde(default = "default_prefix_chunk_bytes")]
     chunk_bytes: u64,
+    #[serde(default = "default_prefix_load_over_mean_pct")]
+    load_over_mean_pct: u64,
+    #[serde(default = "default_prefix_load_floor_pct")]
+    load_floor_pct: u64,
+    #[serde(default = "default_prefix_load_ceiling_pct")]
+    load_ceiling_pct: u64,
+}
+
+fn default_prefix_load_over_mean_pct() -> u64 {
+    PREFIX_LOAD_OVER_MEAN_PCT.default
+}
+
+fn default_prefix_load_floor_pct() -> u64 {
+    PREFIX_LOAD_FLOOR_PCT.default
+}
+
+fn default_prefix_load_ceiling_pct() -> u64 {
+    PREFIX_LOAD_CEILING_PCT.default
 }
 
 fn default_prefix_max_keys() -> u64 {
@@ -454,6 +480,8 @@ pub struct FilterConfig {
     pub degraded: Option<DegradedRouting>,
     /// The classes whose requests get a prefix key, with its form (docs/prefix-routing.md).
     pub prefix: BTreeMap<String, crate::prefix_key::PrefixSpec>,
+    /// The same classes' load bound on naming a replica (docs/prefix-routing.md).
+    pub prefix_bound: BTreeMap<String, crate::prefix_table::LoadBound>,
     /// The content classifier's model, when a rule has a `content` condition.
     pub content_model: Option<crate::content_classifier::ContentModel>,
 }
@@ -571,6 +599,7 @@ impl FilterConfig {
         }
         let mut classes = BTreeMap::new();
         let mut prefix = BTreeMap::new();
+        let mut prefix_bound = BTreeMap::new();
         for (name, class) in &raw.classes {
             check_token(&format!("classes.{name}"), name)?;
             check_token(&format!("classes.{name}.pool"), &class.pool)?;
@@ -592,7 +621,13 @@ impl FilterConfig {
                     max_keys: bounded(PREFIX_MAX_KEYS, p.max_keys)?,
                     chunk_bytes: bounded(PREFIX_CHUNK_BYTES, p.chunk_bytes)?,
                 };
+                let bound = crate::prefix_table::LoadBound {
+                    over_mean_pct: bounded(PREFIX_LOAD_OVER_MEAN_PCT, p.load_over_mean_pct)? as u64,
+                    floor_pct: bounded(PREFIX_LOAD_FLOOR_PCT, p.load_floor_pct)? as u64,
+                    ceiling_pct: bounded(PREFIX_LOAD_CEILING_PCT, p.load_ceiling_pct)? as u64,
+                };
                 prefix.insert(name.clone(), spec);
+                prefix_bound.insert(name.clone(), bound);
             }
         }
         let lookup = |field: &str, class: &str| -> Result<(String, String), ConfigError> {
@@ -712,6 +747,7 @@ impl FilterConfig {
             emit_objective_header: raw.emit_objective_header,
             degraded,
             prefix,
+            prefix_bound,
             content_model,
         })
     }
@@ -920,6 +956,7 @@ pub fn limits() -> serde_json::Value {
     let d = c.degraded.as_ref().expect("it has degraded routing");
     let pool = &d.pools["p"];
     let prefix = &c.prefix["c"];
+    let bound = &c.prefix_bound["c"];
     let bounded: serde_json::Map<String, serde_json::Value> =
         LIMITS.iter().map(|l| (l.field.to_string(), json!({"min": l.min, "max": l.max, "default": l.default}))).collect();
     json!({
@@ -939,6 +976,9 @@ pub fn limits() -> serde_json::Value {
             "degraded_routing.pools.*.shed_classes": pool.shed_classes.len(),
             "classes.*.prefix_key.max_keys": prefix.max_keys,
             "classes.*.prefix_key.chunk_bytes": prefix.chunk_bytes,
+            "classes.*.prefix_key.load_over_mean_pct": bound.over_mean_pct,
+            "classes.*.prefix_key.load_floor_pct": bound.floor_pct,
+            "classes.*.prefix_key.load_ceiling_pct": bound.ceiling_pct,
         },
         "level_down": crate::pool_state::LEVEL_DOWN,
         "token_max_len": TOKEN_MAX_LEN,

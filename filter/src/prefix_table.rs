@@ -28,14 +28,28 @@ pub const SLOTS: u64 = 1024;
 pub const TTL_MS: u64 = 300_000;
 /// A load reading older than this is not counted (an idle replica sends none).
 pub const LOAD_FRESH_MS: u64 = 10_000;
-/// A replica is over the bound above the pool's mean fresh reading × (1 + LOAD_SLACK). A
-/// constant for now; the policy field per class is next (docs/prefix-routing.md).
-pub const LOAD_SLACK: f64 = 0.25;
-/// Below this utilization a replica is never over the bound: with a request or two in flight the
-/// relative bound would move a conversation off its cache for nothing.
-pub const LOAD_FLOOR: f64 = 0.5;
-/// Above this utilization a replica is always over the bound, whatever the mean.
-pub const LOAD_CEILING: f64 = 0.9;
+/// When a keyed class's replica is too loaded to be named (the policy's
+/// `classes.NAME.prefix_key.load_*_pct`, bounds and defaults in config.rs): over the pool's mean
+/// fresh reading by more than `over_mean_pct`, once it is past `floor_pct` (with a request or two
+/// in flight the relative bound would move a conversation off its cache for nothing); always past
+/// `ceiling_pct`, whatever the mean.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadBound {
+    pub over_mean_pct: u64,
+    pub floor_pct: u64,
+    pub ceiling_pct: u64,
+}
+
+impl Default for LoadBound {
+    fn default() -> LoadBound {
+        use crate::config::{PREFIX_LOAD_CEILING_PCT, PREFIX_LOAD_FLOOR_PCT, PREFIX_LOAD_OVER_MEAN_PCT};
+        LoadBound {
+            over_mean_pct: PREFIX_LOAD_OVER_MEAN_PCT.default,
+            floor_pct: PREFIX_LOAD_FLOOR_PCT.default,
+            ceiling_pct: PREFIX_LOAD_CEILING_PCT.default,
+        }
+    }
+}
 /// Readings kept per pool; a new replica past it replaces the oldest reading.
 pub const MAX_REPLICAS: usize = 64;
 /// The longest `IP:PORT` (an IPv6 address with brackets and port is at most 47 bytes).
@@ -107,7 +121,7 @@ impl LoadRecord {
         self.0.push((addr.to_string(), load, now));
     }
     /// Whether `addr`'s fresh reading is over the bound (no fresh reading: not over it).
-    fn over_bound(&self, addr: &str, now: u64) -> bool {
+    fn over_bound(&self, addr: &str, now: u64, bound: LoadBound) -> bool {
         let fresh = |at: u64| now.saturating_sub(at) < LOAD_FRESH_MS;
         let mine = match self.0.iter().find(|(a, _, at)| a == addr && fresh(*at)) {
             Some((_, load, _)) => f64::from(*load) / 1000.0,
@@ -115,7 +129,8 @@ impl LoadRecord {
         };
         let readings: Vec<f64> = self.0.iter().filter(|(_, _, at)| fresh(*at)).map(|(_, l, _)| f64::from(*l) / 1000.0).collect();
         let mean = readings.iter().sum::<f64>() / readings.len() as f64;
-        mine > LOAD_CEILING || (mine > LOAD_FLOOR && mine > mean * (1.0 + LOAD_SLACK))
+        let pct = |p: u64| p as f64 / 100.0;
+        mine > pct(bound.ceiling_pct) || (mine > pct(bound.floor_pct) && mine > mean * (1.0 + pct(bound.over_mean_pct)))
     }
 }
 
@@ -137,9 +152,14 @@ pub struct PrefixTable<D> {
 }
 
 impl<D: SharedData> PrefixTable<D> {
-    /// The replica of the first key of `chain` (longest prefix first) with a fresh entry whose
-    /// replica is not over the load bound.
+    /// `lookup_bounded` with the default load bound.
     pub fn lookup(&self, pool: &str, chain: &[u64], now: u64) -> Pick {
+        self.lookup_bounded(pool, chain, now, LoadBound::default())
+    }
+
+    /// The replica of the first key of `chain` (longest prefix first) with a fresh entry whose
+    /// replica is not over the load `bound`.
+    pub fn lookup_bounded(&self, pool: &str, chain: &[u64], now: u64, bound: LoadBound) -> Pick {
         let mut loads: Option<LoadRecord> = None;
         let mut over = false;
         for &key in chain {
@@ -152,7 +172,7 @@ impl<D: SharedData> PrefixTable<D> {
                 _ => continue,
             };
             let loads = loads.get_or_insert_with(|| self.loads(pool).0);
-            if loads.over_bound(addr, now) {
+            if loads.over_bound(addr, now, bound) {
                 over = true;
                 continue;
             }
@@ -307,6 +327,22 @@ mod tests {
         assert_eq!(t.lookup("p", &[7], 1003), Pick::OverBound);
         // A stale reading is not counted: an idle replica sends none.
         assert_eq!(t.lookup("p", &[7], 1003 + LOAD_FRESH_MS), Pick::Named(A.into()));
+    }
+
+    #[test]
+    fn a_classs_own_bound_is_the_one_applied() {
+        let t = PrefixTable::<FakeSharedData>::default();
+        t.learn("p", &[7], A, 1000);
+        assert!(t.report_load("p", A, 0.8, 1000) && t.report_load("p", B, 0.2, 1000));
+        // Mean 0.5: over 25 % above it by default; a class that allows 100 % keeps A (0.8 < 1.0).
+        assert_eq!(t.lookup("p", &[7], 1001), Pick::OverBound);
+        let loose = LoadBound { over_mean_pct: 100, ..LoadBound::default() };
+        assert_eq!(t.lookup_bounded("p", &[7], 1001, loose), Pick::Named(A.into()));
+        // A floor of 85 %: 0.8 is never over the relative bound; a ceiling of 75 %: always over.
+        assert_eq!(t.lookup_bounded("p", &[7], 1001, LoadBound { floor_pct: 85, ceiling_pct: 90, ..loose }), Pick::Named(A.into()));
+        assert_eq!(t.lookup_bounded("p", &[7], 1001, LoadBound { floor_pct: 50, ceiling_pct: 75, ..loose }), Pick::OverBound);
+        // The defaults are the bound the table was measured with (docs/prefix-routing.md).
+        assert_eq!(LoadBound::default(), LoadBound { over_mean_pct: 25, floor_pct: 50, ceiling_pct: 90 });
     }
 
     #[test]

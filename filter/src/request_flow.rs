@@ -465,7 +465,7 @@ impl Stream {
     }
 
     /// Name the replica that served the request's prefix, while it is under the load bound.
-    fn name_replica<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H, pool: &str) {
+    fn name_replica<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H, class: &str, pool: &str) {
         let keys = match &self.keys {
             Some(k) => k,
             None => {
@@ -475,7 +475,8 @@ impl Stream {
                 return;
             }
         };
-        let named = match cfg.prefixes.lookup(pool, keys.chain(), host.now_ms()) {
+        let bound = cfg.filter.prefix_bound.get(class).copied().unwrap_or_default();
+        let named = match cfg.prefixes.lookup_bounded(pool, keys.chain(), host.now_ms(), bound) {
             Pick::Named(addr) => Some(addr),
             Pick::OverBound => {
                 host.count(cfg.metrics.prefix_over_bound);
@@ -580,7 +581,7 @@ impl Stream {
             // A trusted peer's partial decision may carry a key; a request without one has none.
             host.set_request_header(HEADER_PREFIX_KEY, None);
         }
-        self.name_replica(cfg, host, d.pool);
+        self.name_replica(cfg, host, d.class, d.pool);
         // One clear for all the writes.
         host.clear_route_cache();
         count_decision(m, host, d);

@@ -328,6 +328,14 @@ class PrefixKeySpec(Strict):
     """Keys in the chain, longest prefix first, ending with the system prompt's (or the first chunk's)."""
     chunk_bytes: _bounded(64, 65536) = 1024
     """A completion prompt is keyed by whole chunks of this many bytes of its JSON string."""
+    load_over_mean_pct: _bounded(0, 400) = 25
+    """The load bound: the replica that holds the prefix is passed over (the request is picked by
+    load) while its utilization is more than this many percent over its pool's mean..."""
+    load_floor_pct: _bounded(0, 100) = 50
+    """...and at least this high (a replica with a request or two in flight keeps its conversations)..."""
+    load_ceiling_pct: _bounded(1, 100) = 90
+    """...or, whatever the mean, above this. The utilization is what the replica reports to Envoy
+    (ORCA's, docs/replicas.md); docs/prefix-routing.md."""
 
 
 class ClassSpec(ClassSettings):

@@ -42,7 +42,12 @@ def _routes(policy) -> list[dict]:
 
 def test_the_policy_writes_the_prefix_key_into_the_filter_config():
     fc = parse_policy(POLICY, "p.yaml").filter_config()
-    assert fc["classes"]["interactive"]["prefix_key"] == {"max_keys": 3, "chunk_bytes": 1024}
+    # The load bound's defaults (docs/prefix-routing.md) go along, so the filter applies what the policy says.
+    assert fc["classes"]["interactive"]["prefix_key"] == {"max_keys": 3, "chunk_bytes": 1024, "load_over_mean_pct": 25,
+                                                          "load_floor_pct": 50, "load_ceiling_pct": 90}
+    own = parse_policy(POLICY.replace("{max_keys: 3}", "{max_keys: 3, load_over_mean_pct: 100, load_ceiling_pct: 95}"), "p.yaml")
+    assert own.filter_config()["classes"]["interactive"]["prefix_key"] == {"max_keys": 3, "chunk_bytes": 1024, "load_over_mean_pct": 100,
+                                                                           "load_floor_pct": 50, "load_ceiling_pct": 95}
     assert "prefix_key" not in fc["classes"]["batch"]
 
 

@@ -323,7 +323,7 @@ BOUNDED = {
     # A class's prefix key (docs/prefix-routing.md): the classes go to the filter as written.
     **{f"classes.*.prefix_key.{k}": (f"classes.interactive.prefix_key.{k}", PrefixKeySpec, k,
                                      lambda v, k=k: {"classes": CLASSES | {"interactive": {"pool": "interactive", "prefix_key": {k: v}}}})
-       for k in ("max_keys", "chunk_bytes")},
+       for k in ("max_keys", "chunk_bytes", "load_over_mean_pct", "load_floor_pct", "load_ceiling_pct")},
 }
 
 # Defaults that differ on purpose: (the policy's, the filter's, why).
@@ -769,7 +769,7 @@ def test_the_policy_holds_the_filters_limits(filter_limits):
         else:
             assert default == theirs["default"], f"{field}: policy default {default}, filter {theirs['default']}"
         compared += 1
-    assert compared == 9
+    assert compared == 12
     # The rest of the defaults the filter fills in: the policy's are the same.
     d = filter_limits["defaults"]
     spec = FilterSpec()
