@@ -7,8 +7,9 @@ and the gRPC front `pool_NAME_grpc`) with their limits, and their endpoints.
 
 Two assemblies use them and nothing else: envoy_bootstrap.py (one static `envoy -c` file, routes
 and endpoints inline) and xds_snapshot.py (the control plane's snapshot: routes over RDS,
-endpoints over EDS). istio.py reuses the Wasm filter (`wasm_filter_config`) and the pool limits
-(`POOL_LIMITS`, `RETRY_ON`, `NUM_RETRIES`).
+endpoints over EDS). istio_parts.py reuses the Wasm filter (`wasm_filter_config`), the pool limits
+(`POOL_LIMITS`) and the route table as typed values (`routes`: each a `Route`, whose `envoy()` is
+the plain-Envoy route).
 
 Routing decisions come from the typed policy (`Routing`: classes, rules, the default class);
 the filter's JSON config is only carried inside the Wasm filter.
@@ -35,12 +36,13 @@ Degraded-mode routing (`when_degraded`, docs/filter.md) is split between Envoy a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import ClassVar, Literal, Mapping
 
 from infermesh.settings import TracingSettings
 
@@ -387,36 +389,55 @@ def deadline(m: "MeshListener", cls: ClassSpec | None, target: str) -> Deadline 
     return Deadline(cls.ttft_deadline_ms, cls.hedges, len(m.pool(target).replicas), bool(m.failover.get(target)))
 
 
-def retry_policy(d: Deadline | None = None, replicas: int = 1) -> dict:
-    """Retries go to another host, and after every replica of the pool was tried to the next
-    priority (the failover pool's endpoints, if any); streams that already sent headers are never
-    replayed. With a deadline each attempt gets `per_try_timeout` to its first token."""
-    if d is not None:
-        replicas = d.replicas
-    out = {
-        "retry_on": RETRY_ON,
-        "num_retries": NUM_RETRIES if d is None or d.hedge else 0,
-        "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
-        "retry_priority": {
-            "name": "envoy.retry_priorities.previous_priorities",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",
-                             # Leave a priority only after as many attempts as it has replicas.
-                             "update_frequency": replicas},
-        },
-        "retry_host_predicate": [{
-            "name": "envoy.retry_host_predicates.previous_hosts",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
-        }],
+@dataclass(frozen=True)
+class Retries:
+    """A route's retry policy: retries go to another host, and after every replica of the pool was
+    tried to the next priority (the failover pool's endpoints, if any); streams that already sent
+    headers are never replayed. With a deadline each attempt gets `per_try_timeout` to its first
+    token."""
+
+    num_retries: int = NUM_RETRIES
+    update_frequency: int = 1
+    """Attempts on a priority before the next one: the target pool's replicas."""
+    per_try_timeout: str | None = None
+    retry_on: str = RETRY_ON
+
+    @classmethod
+    def of(cls, d: Deadline | None = None, replicas: int = 1) -> "Retries":
+        if d is None:
+            return cls(update_frequency=replicas)
+        return cls(d.num_retries, d.replicas, f"{d.ttft_ms / 1000:g}s")
+
+    def envoy(self, previous_hosts: bool = True) -> dict:
+        """Envoy's RetryPolicy; `previous_hosts` False: without the host predicate (Istio emits its own)."""
+        out: dict = {
+            "retry_on": self.retry_on,
+            "num_retries": self.num_retries,
+            "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
+            "retry_priority": {
+                "name": "envoy.retry_priorities.previous_priorities",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",
+                                 "update_frequency": self.update_frequency},
+            },
+        }
+        if previous_hosts:
+            out["retry_host_predicate"] = [{
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+            }]
         # Weighted round robin picks a replica many times in a row when its weight is far above
         # the others' (a stalled replica keeps its last, idle weight until it expires), and each
         # pick `previous_hosts` rejects is one of these attempts; after the last one Envoy takes
         # the rejected host anyway, so a hedge would go back to the stalled replica (seen e2e).
-        "host_selection_retry_max_attempts": HOST_SELECTION_ATTEMPTS,
-    }
-    if d is not None:
-        out["num_retries"] = d.num_retries
-        out["per_try_timeout"] = f"{d.ttft_ms / 1000:g}s"
-    return out
+        out["host_selection_retry_max_attempts"] = HOST_SELECTION_ATTEMPTS
+        if self.per_try_timeout is not None:
+            out["per_try_timeout"] = self.per_try_timeout
+        return out
+
+
+def retry_policy(d: Deadline | None = None, replicas: int = 1) -> dict:
+    """Envoy's RetryPolicy of `Retries.of(d, replicas)`."""
+    return Retries.of(d, replicas).envoy()
 
 
 def circuit_breakers(limits: PoolLimits = POOL_LIMITS) -> dict:
@@ -483,63 +504,185 @@ STATE_PATH = "/infermesh/state"
 
 
 # -- routes --------------------------------------------------------------------------------------
-
-GRPC_CONTENT_TYPE = {"name": "content-type", "string_match": {"prefix": "application/grpc"}}
-
-
-def route_action(m: MeshListener, target: str, grpc: bool, cls: ClassSpec | None = None) -> dict:
-    """To the target pool's cluster; with the class's TTFT deadline, if it has one."""
-    # timeout 0: a streamed completion may legitimately run for minutes; the stream idle
-    # timeout still ends a stuck one.
-    d = deadline(m, cls, target)
-    out = {"cluster": cluster_name(target, grpc), "timeout": "0s", "retry_policy": retry_policy(d, len(m.pool(target).replicas))}
-    if d is not None and d.hedge:
-        out["hedge_policy"] = {"hedge_on_per_try_timeout": True}
-    return out
+#
+# Each route is decided once as a typed value (`Route`: its match, target pool and front, retries
+# and hedging, and, where Envoy decides the class itself, that decision); `Route.envoy` renders
+# Envoy's dict. istio_parts reads the same values for the VirtualService.
 
 
-def deadline_headers(m: MeshListener, cls: ClassSpec | None, target: str) -> list[dict]:
-    d = deadline(m, cls, target)
-    if d is None or not d.hedge:
-        return []
-    return [{"header": {"key": TTFT_GIVE_UP_HEADER, "value": str(d.give_up_ms)}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+@dataclass(frozen=True)
+class HeaderCondition:
+    """One header condition of a route's match."""
+
+    name: str
+    kind: Literal["exact", "prefix", "regex", "present", "absent"]
+    value: str = ""
+    ignore_case: bool = False
+
+    def envoy(self) -> dict:
+        if self.kind in ("present", "absent"):
+            return {"name": self.name, "present_match": self.kind == "present"}
+        if self.kind == "regex":
+            return {"name": self.name, "string_match": {"safe_regex": {"regex": self.value}}}
+        return {"name": self.name, "string_match": {self.kind: self.value, **({"ignore_case": True} if self.ignore_case else {})}}
 
 
-def pool_routes(m: MeshListener, name: str, target: str, match: dict, cls: ClassSpec | None = None) -> list[dict]:
+GRPC_HEADER = HeaderCondition("content-type", "prefix", "application/grpc")
+GRPC_CONTENT_TYPE = GRPC_HEADER.envoy()
+"""`GRPC_HEADER` as Envoy writes it."""
+
+
+@dataclass(frozen=True)
+class RouteMatch:
+    """A route's match: its path (a prefix, an exact path without the query, or an RE2 pattern of
+    paths) and its header conditions, all of which must hold."""
+
+    path_kind: Literal["prefix", "exact", "regex"] = "prefix"
+    path: str = "/"
+    headers: tuple[HeaderCondition, ...] = ()
+
+    def with_header(self, h: HeaderCondition) -> "RouteMatch":
+        return dataclasses.replace(self, headers=(*self.headers, h))
+
+    @property
+    def grpc(self) -> bool:
+        return GRPC_HEADER in self.headers
+
+    def envoy(self) -> dict:
+        out: dict = ({"prefix": self.path} if self.path_kind == "prefix" else {"path": self.path} if self.path_kind == "exact"
+                     else {"safe_regex": {"regex": self.path}})
+        if self.headers:
+            out["headers"] = [h.envoy() for h in self.headers]
+        return out
+
+
+@dataclass(frozen=True)
+class AddedHeader:
+    """A request header a route adds: appended (no lookup of an existing value) or overwritten."""
+
+    key: str
+    value: str
+    append: bool
+
+    def envoy(self) -> dict:
+        return {"header": {"key": self.key, "value": self.value},
+                "append_action": "APPEND_IF_EXISTS_OR_ADD" if self.append else "OVERWRITE_IF_EXISTS_OR_ADD"}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The class a route decides in Envoy, without the filter (native header rules)."""
+
+    cls: str
+    rule: str
+    objective: str | None = None
+    """The inference objective header's value, where the policy emits it."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route to a pool, decided once; `envoy()` is Envoy's Route."""
+
+    name: str
+    match: RouteMatch
+    pool: str
+    grpc: bool
+    """To the pool's gRPC front (`pool_NAME_grpc`), else its HTTP front."""
+    retries: Retries
+    give_up_ms: int | None = None
+    """A hedging class's deadline: the route hedges on each attempt's timeout and tells the sidecar
+    when to give up (`TTFT_GIVE_UP_HEADER`)."""
+    decided: Decision | None = None
+    """Envoy decides the class here: it adds the class's headers, the filter is off, and the
+    sidecars' internal pool-level and load headers are dropped (the filter would strip them)."""
+
+    timeout: ClassVar[str] = "0s"
+    """No route timeout: a streamed completion may legitimately run for minutes; the stream idle
+    timeout still ends a stuck one."""
+
+    @property
+    def cluster(self) -> str:
+        return cluster_name(self.pool, self.grpc)
+
+    @property
+    def hedges(self) -> bool:
+        return self.give_up_ms is not None
+
+    @property
+    def runs_filter(self) -> bool:
+        return self.decided is None
+
+    @property
+    def on_pool_header(self) -> bool:
+        """The route matches on the filter's pool header (only a request the filter decided takes it)."""
+        return any(h.name == POOL_HEADER for h in self.match.headers)
+
+    def request_headers(self) -> tuple[AddedHeader, ...]:
+        out = []
+        if (d := self.decided) is not None:
+            # Append, not overwrite: the early header mutation already removed any client copy, and
+            # the lookup for an existing value costs instructions on every request (docs/filter-benchmark.md).
+            headers = {CLASS_HEADER: d.cls, POOL_HEADER: self.pool, RULE_HEADER: d.rule}
+            if d.objective is not None:
+                headers[OBJECTIVE_HEADER] = d.objective
+            out += [AddedHeader(k, v, append=True) for k, v in headers.items()]
+        if self.give_up_ms is not None:
+            out.append(AddedHeader(TTFT_GIVE_UP_HEADER, str(self.give_up_ms), append=False))
+        return tuple(out)
+
+    def response_headers_to_remove(self) -> tuple[str, ...]:
+        return (POOL_LEVEL_HEADER, LOAD_HEADER) if self.decided is not None else ()
+
+    def envoy(self, filter_name: str) -> dict:
+        """Envoy's Route; `filter_name`: the filter's name in the chain (turned off on a decided route)."""
+        action: dict = {"cluster": self.cluster, "timeout": self.timeout, "retry_policy": self.retries.envoy()}
+        if self.hedges:
+            action["hedge_policy"] = hedge_policy()
+        out: dict = {"name": self.name, "match": self.match.envoy(), "route": action}
+        if add := self.request_headers():
+            out["request_headers_to_add"] = [h.envoy() for h in add]
+        if (d := self.decided) is not None:
+            out["response_headers_to_remove"] = list(self.response_headers_to_remove())
+            out["typed_per_filter_config"] = {filter_name: copy.deepcopy(FILTER_DISABLED)}
+            # Per-route stats, tagged by class/pool/rule like the filter's own counter.
+            out["stat_prefix"] = f"infermesh.class.{d.cls}.pool.{self.pool}.rule.{d.rule}"
+        return out
+
+
+def hedge_policy() -> dict:
+    return {"hedge_on_per_try_timeout": True}
+
+
+def pool_routes(m: MeshListener, name: str, target: str, match: RouteMatch, cls: ClassSpec | None = None,
+                decided: Decision | None = None) -> list[Route]:
     """The gRPC route (if the pool has a gRPC front) and the HTTP route for requests that `match`;
     `cls`: the class these requests have, if the match decides it (its deadline applies)."""
-    routes = []
-    headers = match.get("headers", [])
-    if m.pool(target).grpc_port:
-        routes.append({"name": f"{name}-grpc", "match": dict(match, headers=headers + [copy.deepcopy(GRPC_CONTENT_TYPE)]),
-                       "route": route_action(m, target, True, cls)})
-    routes.append({"name": name, "match": dict(match), "route": route_action(m, target, False, cls)})
-    if add := deadline_headers(m, cls, target):
-        for r in routes:
-            r["request_headers_to_add"] = add
-    return routes
+    d = deadline(m, cls, target)
+    common = {"pool": target, "retries": Retries.of(d, len(m.pool(target).replicas)),
+              "give_up_ms": d.give_up_ms if d is not None and d.hedge else None, "decided": decided}
+    out = [Route(f"{name}-grpc", match.with_header(GRPC_HEADER), grpc=True, **common)] if m.pool(target).grpc_port else []
+    return out + [Route(name, match, grpc=False, **common)]
 
 
-def deadline_class_routes(m: MeshListener, pool: str, target: str) -> list[dict]:
+def deadline_class_routes(m: MeshListener, pool: str, target: str) -> list[Route]:
     """Routes for the classes of `pool` that have a TTFT deadline, ahead of its plain pool route:
     the filter set both headers, the class header picks the deadline."""
     routing = m.decisions()
-    out: list[dict] = []
+    out: list[Route] = []
     for name, c in (routing.classes.items() if routing else ()):
         if c.pool == pool and c.ttft_deadline_ms is not None:
-            match = pool_header_match(pool)
-            match["headers"] = match["headers"] + [{"name": CLASS_HEADER, "string_match": {"exact": name}}]
+            match = pool_header_match(pool).with_header(HeaderCondition(CLASS_HEADER, "exact", name))
             out += pool_routes(m, f"class-{name}-pool-{pool}", target, match, c)
     return out
 
 
-def pool_header_match(pool: str) -> dict:
-    return {"prefix": "/", "headers": [{"name": POOL_HEADER, "string_match": {"exact": pool}}]}
+def pool_header_match(pool: str) -> RouteMatch:
+    return RouteMatch(headers=(HeaderCondition(POOL_HEADER, "exact", pool),))
 
 
-def routes(m: MeshListener) -> list[dict]:
-    """The route table: every route to a pool narrowed to the edge's paths (`edge_routes`), then
-    the JSON 404 for everything else."""
+def routes(m: MeshListener) -> list[Route]:
+    """The routes to a pool, in order, each narrowed to the edge's paths (`edge_routes`); the
+    route table (`route_config`) ends them with the JSON 404 for everything else."""
     out = []
     for p in m.pools:
         out += deadline_class_routes(m, p.pool, p.pool)
@@ -549,8 +692,8 @@ def routes(m: MeshListener) -> list[dict]:
         out += native_rule_routes(m, routing)
     elif default := m.default_pool or (m.pools[0].pool if m.pools else ""):
         # No pool header: the filter failed open (or is not there); the default class's pool serves.
-        out += pool_routes(m, "default-pool", default, {"prefix": "/"})
-    return edge_routes(out, m.public_paths) + [not_found_route(m)]
+        out += pool_routes(m, "default-pool", default, RouteMatch())
+    return edge_routes(out, m.public_paths)
 
 
 # -- the edge: only the serving API -------------------------------------------------------------
@@ -613,36 +756,32 @@ PATTERN_CHARS = 100
 of paths is split over several matches of the same route."""
 
 
-def edge_match(match: dict, paths: tuple[str, ...]) -> list[dict]:
-    """A RouteMatch narrowed to the paths of `paths` its front serves (a gRPC route: the gRPC
-    methods; any other: the rest): its exact path if that is one of them, or those its prefix
-    covers (one as an exact path, several as RE2 patterns of at most PATTERN_CHARS, compared
-    without the query, as the filter compares); none when it covers none (the route can never
-    apply)."""
-    grpc = GRPC_CONTENT_TYPE in match.get("headers", [])
-    paths = tuple(p for p in paths if is_grpc_method(p) == grpc)
-    if "path" in match:
-        return [dict(match)] if match["path"] in paths else []
-    if "safe_regex" in match:
-        return [dict(match)]  # already narrowed
-    covered = [p for p in paths if p.startswith(match.get("prefix", "/"))]
-    rest = {k: v for k, v in match.items() if k != "prefix"}
-    if len(covered) == 1:
-        return [{"path": covered[0], **rest}]
+def edge_match(match: RouteMatch, paths: tuple[str, ...]) -> list[RouteMatch]:
+    """A match narrowed to the paths of `paths` its front serves (a gRPC route: the gRPC methods;
+    any other: the rest): its exact path if that is one of them, or those its prefix covers (one as
+    an exact path, several as RE2 patterns of at most PATTERN_CHARS, compared without the query, as
+    the filter compares); none when it covers none (the route can never apply)."""
+    paths = tuple(p for p in paths if is_grpc_method(p) == match.grpc)
+    if match.path_kind == "exact":
+        return [match] if match.path in paths else []
+    if match.path_kind == "regex":
+        return [match]  # already narrowed
+    covered = [p for p in paths if p.startswith(match.path)]
     chunks: list[list[str]] = []
     for p in covered:
         if chunks and len(path_regex(chunks[-1] + [p])) <= PATTERN_CHARS:
             chunks[-1].append(p)
         else:
             chunks.append([p])
-    return [{"path": c[0], **rest} if len(c) == 1 else {"safe_regex": {"regex": path_regex(c)}, **rest} for c in chunks]
+    return [dataclasses.replace(match, path_kind="exact", path=c[0]) if len(c) == 1 else
+            dataclasses.replace(match, path_kind="regex", path=path_regex(c)) for c in chunks]
 
 
-def edge_routes(table: list[dict], paths: tuple[str, ...]) -> list[dict]:
+def edge_routes(table: list[Route], paths: tuple[str, ...]) -> list[Route]:
     """Every route to a pool with its match narrowed to `paths` (`edge_match`): one route per
     narrowed match, under the route's name (Istio gives one HTTPRoute all of them as its
     matches); a route that covers none of them is left out."""
-    return [dict(r, match=match) for r in table for match in edge_match(r["match"], paths)]
+    return [dataclasses.replace(r, match=match) for r in table for match in edge_match(r.match, paths)]
 
 
 def not_found_route(m: MeshListener) -> dict:
@@ -656,30 +795,23 @@ def not_found_route(m: MeshListener) -> dict:
             "typed_per_filter_config": filter_off(m)}
 
 
-def is_not_found(route: dict) -> bool:
-    return "direct_response" in route
-
-
-def reachable(m: MeshListener, table: list[dict]) -> list[dict]:
-    """The route table without its pool-header routes where no route runs the filter: with native
-    rules the early mutation strips a client's pool header and nothing sets one, so they are
+def reachable(m: MeshListener, table: list[Route]) -> list[Route]:
+    """The routes without the pool-header ones where no route runs the filter: with native rules
+    the early mutation strips a client's pool header and nothing sets one, so they are
     unreachable, and each costs every request a header match (docs/filter-benchmark.md). istio.py
     prunes its own form the same way, after it hands what Istio cannot say to the filter."""
-    if not uses_native_rules(m) or any(r.get("typed_per_filter_config") != filter_off(m) for r in table if not on_pool_header(r)):
+    if not uses_native_rules(m) or any(r.runs_filter for r in table if not r.on_pool_header):
         return table
-    return [r for r in table if not on_pool_header(r)]
-
-
-def on_pool_header(route: dict) -> bool:
-    """The route matches on the filter's pool header (only a request the filter decided takes it)."""
-    return any(h["name"] == POOL_HEADER for h in route["match"].get("headers", []))
+    return [r for r in table if not r.on_pool_header]
 
 
 def route_config(m: MeshListener) -> dict:
-    """The route table (served over RDS by the control plane, inline in the static form)."""
+    """The route table (served over RDS by the control plane, inline in the static form): the
+    routes to a pool, then the edge's 404."""
+    table = [r.envoy(m.filter_name) for r in reachable(m, routes(m))] + [not_found_route(m)]
     return {
         "name": ROUTE_CONFIG_NAME,
-        "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": reachable(m, routes(m)),
+        "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": table,
                            "response_headers_to_remove": [ORCA_HEADER],
                            "per_request_buffer_limit_bytes": REQUEST_BUFFER_LIMIT_BYTES}],
     }
@@ -718,66 +850,52 @@ def uses_native_rules(m: MeshListener) -> bool:
     return m.native_rules and routing is not None and not routing.trusted_sources
 
 
-def native_match(match: Match) -> dict | None:
-    """Envoy's RouteMatch for a rule's method, path and header conditions, exactly as the filter
-    judges them; None when one of them only the filter can judge (a regex)."""
+def native_match(match: Match) -> RouteMatch | None:
+    """Envoy's match for a rule's method, path and header conditions, exactly as the filter judges
+    them; None when one of them only the filter can judge (a regex)."""
     path = match.path
     if path is None:
-        out: dict = {"prefix": "/"}
+        out = RouteMatch()
     elif path.kind == "exact":
-        out = {"path": path.value}  # Envoy compares the path without its query, like the filter
+        out = RouteMatch("exact", path.value)  # Envoy compares the path without its query, like the filter
     elif path.kind == "prefix" and not any(c in path.value for c in "?#"):
-        out = {"prefix": path.value}
+        out = RouteMatch("prefix", path.value)
     else:
         return None
     headers = []
     if len(match.methods) == 1:  # the common case, without a regex run per request
-        headers.append({"name": ":method", "string_match": {"exact": match.methods[0], "ignore_case": True}})
+        headers.append(HeaderCondition(":method", "exact", match.methods[0], ignore_case=True))
     elif match.methods:
         alternatives = "|".join(re.escape(x) for x in match.methods)
-        headers.append({"name": ":method", "string_match": {"safe_regex": {"regex": f"(?i)(?:{alternatives})"}}})
+        headers.append(HeaderCondition(":method", "regex", f"(?i)(?:{alternatives})"))
     for h in match.headers:
         value = h.value_match
         if value is None:
-            headers.append({"name": h.name, "present_match": not h.must_be_absent})
+            headers.append(HeaderCondition(h.name, "absent" if h.must_be_absent else "present"))
         elif value.kind == "regex":
             return None
         else:
-            headers.append({"name": h.name, "string_match": {value.kind: value.value}})
-    if headers:
-        out["headers"] = headers
-    return out
+            headers.append(HeaderCondition(h.name, value.kind, value.value))
+    return dataclasses.replace(out, headers=tuple(headers))
 
 
-def decided_routes(m: MeshListener, routing: Routing, name: str, match: dict, cls: str, rule: str) -> list[dict]:
-    """Routes that decide `cls` in Envoy: the class's headers added, the filter off, the
-    sidecars' internal pool-level and load headers dropped (the filter, which would strip them, is off)."""
-    pool = routing.classes[cls].pool
-    headers = {CLASS_HEADER: cls, POOL_HEADER: pool, RULE_HEADER: rule}
-    if routing.emit_objective_header:
-        headers[OBJECTIVE_HEADER] = routing.classes[cls].objective or cls
-    # Append, not overwrite: the early header mutation already removed any client copy, and the
-    # lookup for an existing value costs instructions on every request (docs/filter-benchmark.md).
-    add = [{"header": {"key": k, "value": v}, "append_action": "APPEND_IF_EXISTS_OR_ADD"} for k, v in headers.items()]
-    out = pool_routes(m, name, pool, match, routing.classes[cls])
-    for r in out:
-        r["request_headers_to_add"] = add + deadline_headers(m, routing.classes[cls], pool)
-        r["response_headers_to_remove"] = [POOL_LEVEL_HEADER, LOAD_HEADER]
-        r["typed_per_filter_config"] = filter_off(m)
-        # Per-route stats, tagged by class/pool/rule like the filter's own counter.
-        r["stat_prefix"] = f"infermesh.class.{cls}.pool.{pool}.rule.{rule}"
-    return out
+def decided_routes(m: MeshListener, routing: Routing, name: str, match: RouteMatch, cls: str, rule: str) -> list[Route]:
+    """Routes that decide `cls` in Envoy (`Decision`): the class's headers added, the filter off,
+    the sidecars' internal pool-level and load headers dropped."""
+    spec = routing.classes[cls]
+    objective = (spec.objective or cls) if routing.emit_objective_header else None
+    return pool_routes(m, name, spec.pool, match, spec, Decision(cls, rule, objective))
 
 
-def native_rule_routes(m: MeshListener, routing: Routing) -> list[dict]:
+def native_rule_routes(m: MeshListener, routing: Routing) -> list[Route]:
     fail_open = m.default_pool or routing.default_pool  # where a request goes if the filter fails open
-    out: list[dict] = []
-    to_filter: list[dict] = []  # matches already sent to the filter
+    out: list[Route] = []
+    to_filter: list[RouteMatch] = []  # matches already sent to the filter
     for rule in routing.rules:
         match = native_match(rule.match)
         if match is None:
             # Only the filter can judge this rule: it decides every request from here on.
-            return out + pool_routes(m, f"filter-{rule.name}", fail_open, {"prefix": "/"})
+            return out + pool_routes(m, f"filter-{rule.name}", fail_open, RouteMatch())
         if rule.match.needs_body or routing.filter_decides(rule.class_):
             # The filter reads the body (or applies when_degraded) and decides with every rule;
             # its pool header then sends the request to a step-1 route.
@@ -789,8 +907,8 @@ def native_rule_routes(m: MeshListener, routing: Routing) -> list[dict]:
             continue  # every request it matches goes to the filter first (e.g. chat after chat-bulk)
         out += decided_routes(m, routing, f"rule-{rule.name}", match, rule.class_, rule.name)
     if routing.filter_decides(routing.default_class):
-        return out + pool_routes(m, "filter-default", fail_open, {"prefix": "/"})
-    return out + decided_routes(m, routing, "default-pool", {"prefix": "/"}, routing.default_class, "default")
+        return out + pool_routes(m, "filter-default", fail_open, RouteMatch())
+    return out + decided_routes(m, routing, "default-pool", RouteMatch(), routing.default_class, "default")
 
 
 # -- clusters and endpoints ----------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Two kinds of decision, each made here and nowhere else:
 
-- per policy, the typed parts (`IstioParts`, from `parts()`): envoy_resources' route table in
-  Istio's vocabulary (per-pool header routes where some route runs the filter, native
+- per policy, the typed parts (`IstioParts`, from `parts()`): envoy_resources' typed route table
+  (`Route`) in Istio's vocabulary (per-pool header routes where some route runs the filter, native
   header-rule routes, the default; the edge's 404), the Wasm filter without the module's URL,
   digest and failure policy, the filter's form, the pool limits, the pools' CLUSTER and
   HTTP_ROUTE patches, spill. `IstioParts.values()` is the chart's `generated` values, written with
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .envoy_resources import (
-    GRPC_CONTENT_TYPE,
+    GRPC_HEADER,
     NOT_FOUND_BODY,
     NOT_FOUND_ROUTE,
     ORCA_HEADER,
@@ -45,19 +45,20 @@ from .envoy_resources import (
     WASM_FILTER,
     WASM_OFF,
     WEIGHTED_ROUND_ROBIN,
+    HeaderCondition,
     MeshListener,
     PoolEndpoint,
+    Retries,
+    Route,
+    RouteMatch,
     Routing,
     circuit_breakers,
-    cluster_name,
     common_lb_config,
     edge_routes,
     health_checks,
-    is_not_found,
+    hedge_policy,
     local_code,
-    on_pool_header,
     remote_code,
-    retry_policy,
     routes,
     uses_native_rules,
     wasm_filter_config,
@@ -301,39 +302,37 @@ def _method_regex(method: str) -> str:
     return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else re.escape(c) for c in method)
 
 
-def _string_match(sm: dict) -> dict | None:
-    if "safe_regex" in sm:
-        return {"regex": sm["safe_regex"]["regex"]}
-    if sm.get("ignore_case"):
+def _string_match(h: HeaderCondition) -> dict | None:
+    if h.kind == "regex":
+        return {"regex": h.value}
+    if h.ignore_case:
         return None
-    kind, = (k for k in ("exact", "prefix") if k in sm)
-    return {kind: sm[kind]}
+    return {h.kind: h.value}
 
 
-def http_match(match: dict) -> dict | None:
-    """An Envoy RouteMatch as an Istio HTTPMatchRequest ({}: every request); None when Istio
-    cannot say it (two conditions on one header: a VirtualService match keys them by name)."""
+def http_match(match: RouteMatch) -> dict | None:
+    """A route's match as an Istio HTTPMatchRequest ({}: every request); None when Istio cannot
+    say it (two conditions on one header: a VirtualService match keys them by name)."""
     out: dict[str, Any] = {}
-    if "path" in match:
-        out["uri"] = {"exact": match["path"]}
-    elif "safe_regex" in match:
-        out["uri"] = {"regex": match["safe_regex"]["regex"]}  # istiod: Envoy's safe_regex, the path without the query
-    elif match.get("prefix", "/") != "/":
-        out["uri"] = {"prefix": match["prefix"]}
+    if match.path_kind == "exact":
+        out["uri"] = {"exact": match.path}
+    elif match.path_kind == "regex":
+        out["uri"] = {"regex": match.path}  # istiod: Envoy's safe_regex, the path without the query
+    elif match.path != "/":
+        out["uri"] = {"prefix": match.path}
     headers: dict[str, dict] = {}
     without: dict[str, dict] = {}
-    for h in match.get("headers", []):
-        name = h["name"]
+    for h in match.headers:
+        name = h.name
         if name in headers or name in without or (name == ":method" and "method" in out):
             return None
         if name == ":method":
-            sm = h["string_match"]
-            out["method"] = {"regex": _method_regex(sm["exact"])} if sm.get("ignore_case") else _string_match(sm)
-        elif "present_match" in h:
+            out["method"] = {"regex": _method_regex(h.value)} if h.ignore_case else _string_match(h)
+        elif h.kind in ("present", "absent"):
             # An empty StringMatch is Istio's presence match; under withoutHeaders, absence.
-            (headers if h["present_match"] else without)[name] = {}
+            (headers if h.kind == "present" else without)[name] = {}
         else:
-            sm = _string_match(h["string_match"])
+            sm = _string_match(h)
             if sm is None:
                 return None
             headers[name] = sm
@@ -344,48 +343,43 @@ def http_match(match: dict) -> dict | None:
     return out
 
 
-def _route_part(r: dict, pools: dict[str, tuple[str, bool]]) -> RoutePart | None:
+def _route_part(r: Route) -> RoutePart | None:
     """One plain-Envoy route in Istio's vocabulary; None when Istio cannot say its match."""
-    match = http_match(r["match"])
+    match = http_match(r.match)
     if match is None:
         return None
-    pool, grpc = pools[r["route"]["cluster"]]
-    retry = r["route"]["retry_policy"]
-    http: dict[str, Any] = {"name": r["name"], **({"match": [match]} if match else {})}
+    http: dict[str, Any] = {"name": r.name, **({"match": [match]} if match else {})}
     # Istio's `add` is Envoy's APPEND_IF_EXISTS_OR_ADD, `set` its OVERWRITE_IF_EXISTS_OR_ADD: each
     # header keeps the plain-Envoy route's action (an overwrite first looks the header up).
     request: dict[str, dict] = {}
-    for h in r.get("request_headers_to_add", []):
-        op = "add" if h.get("append_action") == "APPEND_IF_EXISTS_OR_ADD" else "set"
-        request.setdefault(op, {})[h["header"]["key"]] = h["header"]["value"]
+    for h in r.request_headers():
+        request.setdefault("add" if h.append else "set", {})[h.key] = h.value
     # The replicas' load reports are Envoy's alone (the plain-Envoy route table removes them on
     # its virtual host; the router reads them before either removal); a route decided without the
     # filter also drops the sidecars' internal headers the filter would have read and stripped.
-    remove = [ORCA_HEADER] + r.get("response_headers_to_remove", [])
+    remove = [ORCA_HEADER, *r.response_headers_to_remove()]
     http["headers"] = {**({"request": request} if request else {}), "response": {"remove": remove}}
     # No route timeout (a streamed completion may run for minutes) is Istio's default; istiod's
     # validation refuses an explicit "0s" (durations must be >= 1ms), so the field stays out.
-    if r["route"]["timeout"] != "0s":
-        http["timeout"] = r["route"]["timeout"]
-    http["retries"] = {"attempts": retry["num_retries"]}
-    if retry["num_retries"]:  # attempts 0: Istio emits no retry policy at all (the patch adds it)
-        http["retries"] |= {"retryOn": retry["retry_on"], **({"perTryTimeout": retry["per_try_timeout"]} if "per_try_timeout" in retry else {})}
-    return RoutePart(pool=pool, grpc=grpc, wasm=WASM_FILTER not in r.get("typed_per_filter_config", {}), http=http,
-                     envoy_route=envoy_route_patch(r["route"]))
+    if r.timeout != "0s":
+        http["timeout"] = r.timeout
+    retries = r.retries
+    http["retries"] = {"attempts": retries.num_retries}
+    if retries.num_retries:  # attempts 0: Istio emits no retry policy at all (the patch adds it)
+        http["retries"] |= {"retryOn": retries.retry_on,
+                            **({"perTryTimeout": retries.per_try_timeout} if retries.per_try_timeout is not None else {})}
+    return RoutePart(pool=r.pool, grpc=r.grpc, wasm=r.runs_filter, http=http, envoy_route=envoy_route_patch(r))
 
 
-def envoy_route_patch(action: dict) -> dict:
+def envoy_route_patch(r: Route) -> dict:
     """What the VirtualService cannot say of a route's retries, as an HTTP_ROUTE MERGE: the
     whole plain-Envoy retry policy (previous_priorities with its update frequency, the host
     selection attempts, the back-off's maximum; with a deadline the per-try timeout even where
     Istio drops the policy, at 0 attempts) and the hedge policy. Not the previous_hosts predicate
     where Istio emits its own (any attempts): a MERGE appends lists, and one is enough."""
-    retry = copy.deepcopy(action["retry_policy"])
-    if retry["num_retries"]:
-        del retry["retry_host_predicate"]
-    out: dict[str, Any] = {"retry_policy": retry}
-    if "hedge_policy" in action:
-        out["hedge_policy"] = copy.deepcopy(action["hedge_policy"])
+    out: dict[str, Any] = {"retry_policy": r.retries.envoy(previous_hosts=not r.retries.num_retries)}
+    if r.hedges:
+        out["hedge_policy"] = hedge_policy()
     return {"route": out}
 
 
@@ -399,21 +393,16 @@ def routes_of(policy: Policy) -> tuple[RoutePart, ...]:
     nothing sets one before routing, so no request can reach them, and each would cost every
     request its header lookups (docs/filter-benchmark.md, the Istio header-only form)."""
     m = envoy_form(policy)
-    pools = {cluster_name(p, grpc): (p, grpc) for p in policy.pools for grpc in (False, True)}
     out: list[tuple[bool, RoutePart]] = []  # (the route matches on the pool header, its part)
-    for r in routes(m):
-        if is_not_found(r):
-            break  # the edge's 404 (`not_found_part`), after the routes
-        part = _route_part(r, pools)
+    for r in routes(m):  # (the edge's 404, `not_found_part`, comes after them)
+        part = _route_part(r)
         if part is None:
-            base = r["name"].removesuffix("-grpc").removeprefix("rule-")
-            catch_all = [{"name": f"filter-{base}{suffix}", "match": match,
-                          "route": {"cluster": cluster_name(policy.default_pool, grpc), "timeout": "0s", "retry_policy": retry_policy()}}
-                         for suffix, grpc, match in (("-grpc", True, {"prefix": "/", "headers": [GRPC_CONTENT_TYPE]}),
-                                                     ("", False, {"prefix": "/"}))]
-            out += [(False, _route_part(c, pools)) for c in edge_routes(catch_all, m.public_paths)]
+            base = r.name.removesuffix("-grpc").removeprefix("rule-")
+            catch_all = [Route(f"filter-{base}{suffix}", match, policy.default_pool, grpc, Retries())
+                         for suffix, grpc, match in (("-grpc", True, RouteMatch(headers=(GRPC_HEADER,))), ("", False, RouteMatch()))]
+            out += [(False, _route_part(c)) for c in edge_routes(catch_all, m.public_paths)]
             break
-        out.append((on_pool_header(r), part))
+        out.append((r.on_pool_header, part))
     if uses_native_rules(m) and not any(part.wasm for on_pool_header, part in out if not on_pool_header):
         out = [x for x in out if not x[0]]
     merged: list[RoutePart] = []

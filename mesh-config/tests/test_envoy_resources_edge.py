@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from infermesh.meshconfig import istio
-from infermesh.meshconfig.envoy_resources import (EDGE_PATHS, GRPC_CONTENT_TYPE, NOT_FOUND_ROUTE, POOL_HEADER, STATE_PATH, Routing,
-                                                  edge_match, is_grpc_method, path_regex, route_config, state_cluster_name)
+from infermesh.meshconfig.envoy_resources import (EDGE_PATHS, GRPC_CONTENT_TYPE, GRPC_HEADER, NOT_FOUND_ROUTE, POOL_HEADER, STATE_PATH,
+                                                  HeaderCondition, RouteMatch, Routing, edge_match, is_grpc_method, path_regex,
+                                                  route_config, state_cluster_name)
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
 from infermesh.meshconfig.policy import LOCAL_POLICY, load_policy, parse_policy
 
@@ -198,15 +199,16 @@ def test_path_patterns_are_exact_and_fit_envoys_regex_limit():
         assert all(re.fullmatch(rx, p) for p in paths)
         for near in ("/", "/a/", "/abcd", "/bxc", "/v1/", "/v1/chat", "/v1/completion", "/tokenizer", "/detoken"):
             assert (re.fullmatch(rx, near) is not None) == (near in paths), (rx, near)
-    assert edge_match({"prefix": "/v1/chat/"}, EDGE_PATHS) == [{"path": "/v1/chat/completions"}]
-    assert edge_match({"prefix": "/v2/"}, EDGE_PATHS) == []
-    assert edge_match({"path": "/v1/hint"}, EDGE_PATHS) == []
-    assert edge_match({"path": "/tokenize", "headers": [GRPC_CONTENT_TYPE]}, EDGE_PATHS) == []
+    assert edge_match(RouteMatch("prefix", "/v1/chat/"), EDGE_PATHS) == [RouteMatch("exact", "/v1/chat/completions")]
+    assert edge_match(RouteMatch("prefix", "/v2/"), EDGE_PATHS) == []
+    assert edge_match(RouteMatch("exact", "/v1/hint"), EDGE_PATHS) == []
+    assert edge_match(RouteMatch("exact", "/tokenize", (GRPC_HEADER,)), EDGE_PATHS) == []
     wider = EDGE_PATHS + ("/v1/hint",)
-    assert edge_match({"path": "/v1/hint"}, wider) == [{"path": "/v1/hint"}]
+    assert edge_match(RouteMatch("exact", "/v1/hint"), wider) == [RouteMatch("exact", "/v1/hint")]
     # A longer list is split over several patterns, each short enough, together exactly the list.
     many = EDGE_PATHS + ("/v1/hint", "/v2/anything", "/v3/after", "/v1/embeddings", "/v1/audio/transcriptions")
-    parts = edge_match({"prefix": "/", "headers": [{"name": "x-a", "present_match": True}]}, many)
+    present = HeaderCondition("x-a", "present")
+    parts = [p.envoy() for p in edge_match(RouteMatch(headers=(present,)), many)]
     assert len(parts) > 1 and all(p["headers"] == [{"name": "x-a", "present_match": True}] for p in parts)
     http = [p for p in many if not is_grpc_method(p)]
     for probe in http + NOT_SERVED:
