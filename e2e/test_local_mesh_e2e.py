@@ -227,3 +227,10 @@ def test_a_repeated_prompt_hits_vllms_prefix_cache(local_mesh, client):
     queries = counter(local_mesh, "interactive", "vllm:prefix_cache_queries_total") - q_before
     hits = counter(local_mesh, "interactive", "vllm:prefix_cache_hits_total") - h_before
     assert queries > 0 and hits >= 0.3 * queries, (hits, queries)
+
+
+def test_vllms_ipc_sockets_are_in_the_meshs_own_directory(local_mesh):
+    """vLLM never removes its ZeroMQ IPC sockets: the mesh gives them a directory of its own
+    (removed at stop) instead of the system's temp dir."""
+    sockets = [p for p in local_mesh.ipc_dir.iterdir() if p.is_socket()]
+    assert len(sockets) >= len(local_mesh.plan.pools), sorted(p.name for p in local_mesh.ipc_dir.iterdir())

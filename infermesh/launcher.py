@@ -12,10 +12,12 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -189,6 +191,7 @@ class LocalMesh:
         self.wasm = wasm or paths.filter_wasm()
         self.native_module = native_module or paths.filter_native_module()
         self.children: list[Child] = []
+        self.ipc_dir: Path | None = None
         self.started_at: dict[str, float] = {}
         self.ready_after: dict[str, float] = {}
 
@@ -276,6 +279,10 @@ class LocalMesh:
                 if not (self.models_dir / model / "config.json").exists():
                     raise LaunchError(f"model {model} not found in {self.models_dir} (run `infermesh models build`)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # vLLM's processes talk over ZeroMQ IPC sockets it never removes (VLLM_RPC_BASE_PATH,
+        # default the system's temp dir): here in a directory of the mesh's own, gone at `stop`.
+        # Short, as a socket's path must be (108 bytes), whatever the run directory is.
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix="infermesh-ipc-"))
         for p in self.plan.pools:
             name = self.sidecar_name(p.name, p.replica)
             cfg_path = self.run_dir / f"{name}.json"
@@ -283,7 +290,8 @@ class LocalMesh:
             # A replica's own entry (`pool.N`) first, else the pool's.
             cores = self.cpu_cores.get(p.key) or self.cpu_cores.get(p.name)
             self._spawn(name, [sys.executable, "-m", "infermesh.sidecar.server", "--config", str(cfg_path)],
-                        {"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else None, cores if self.pin_tree else None)
+                        {"VLLM_RPC_BASE_PATH": str(self.ipc_dir)} | ({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {}),
+                        cores if self.pin_tree else None)
             ladder = " > ".join(self.plan.ladder(p.name))
             progress(f"sidecar {p.key}: starting ({ladder}; http :{p.http_port}, grpc :{p.grpc_port}, admin 127.0.0.1:{p.admin_port})")
         # The control plane serves Envoy its listener and clusters from the policy file (ADS)
@@ -433,6 +441,8 @@ class LocalMesh:
             except (ProcessLookupError, PermissionError):
                 pass
         self.children.clear()
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalMesh":
         return self

@@ -14,12 +14,14 @@ and review the diff.
 from __future__ import annotations
 
 import ast
+import atexit
 import copy
 import dataclasses
 import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -51,6 +53,7 @@ SCENARIO_INPUTS: dict[str, tuple[Path | None, list[Path]]] = {
     "native-header-only": (VALUES / "native-header-only-policy.yaml", [PIN]),
 }
 GENERATED = Path(tempfile.mkdtemp(prefix="infermesh-chart-values-"))
+atexit.register(shutil.rmtree, GENERATED, ignore_errors=True)  # made at import: gone with the process
 
 
 def policy_values(policy_file: Path) -> Path:
