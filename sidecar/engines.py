@@ -24,13 +24,26 @@ log = logging.getLogger("infermesh.sidecar.engines")
 
 
 class _StatsLogger:
-    """A vLLM stat logger that keeps the latest scheduler stats for the monitors."""
+    """A vLLM stat logger that keeps the latest scheduler stats for the monitors, and the KV
+    cache's size in tokens (monitors.KvCache weighs each engine's use by it)."""
 
-    def __init__(self, sink: EngineStats):
+    def __init__(self, sink: EngineStats, vllm_config=None):
         self.sink = sink
+        self.vllm_config = vllm_config
+        self._learn_capacity()
+
+    def _learn_capacity(self) -> None:
+        # vLLM's client fills num_gpu_blocks in from the engine core's handshake, before it makes
+        # the stat loggers; read again at the next step should it not have.
+        cache = getattr(self.vllm_config, "cache_config", None)
+        blocks, block_size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+        if blocks and block_size:
+            self.sink.kv_capacity_tokens = int(blocks) * int(block_size)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if scheduler_stats is not None:
+            if self.sink.kv_capacity_tokens is None:
+                self._learn_capacity()
             self.sink.record(scheduler_stats.kv_cache_usage, scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs)
 
     def log_engine_initialized(self):
@@ -107,7 +120,7 @@ class ModelEngine:
 
         class Logger(_StatsLogger, StatLoggerBase):
             def __init__(self, vllm_config, engine_index: int = 0):
-                _StatsLogger.__init__(self, sink)
+                _StatsLogger.__init__(self, sink, vllm_config)
 
         from .metrics import vllm_collectors
 

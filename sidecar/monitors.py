@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -124,6 +123,9 @@ class EngineStats:
     """(time, KV-cache use) of every step of the last `KV_STEPS_KEPT_S`: what `KvCache` reads."""
     listeners: list = field(default_factory=list)
     """Called with (running, waiting) at every step: admission.EngineSlots gates starts on vLLM's queue."""
+    kv_capacity_tokens: int | None = None
+    """The engine's KV cache in tokens (vLLM's num_gpu_blocks x block_size), once vLLM has sized
+    it; None: not known (no engine, or vLLM did not say)."""
 
     def record(self, kv_cache_usage: float, running: int, waiting: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -133,6 +135,16 @@ class EngineStats:
         self.kv_steps.append((now, kv_cache_usage))
         while self.kv_steps and self.kv_steps[0][0] < now - KV_STEPS_KEPT_S:
             self.kv_steps.popleft()
+
+    def kv_use(self, now: float, window_s: float, stale_after_s: float) -> float | None:
+        """The highest KV-cache use of the steps of the last `window_s` (None: never reported).
+        vLLM only reports while it has work: an engine silent for `stale_after_s` with nothing
+        running has an empty cache, whatever its last step said."""
+        if self.kv_cache_usage is None:
+            return None
+        if now - self.updated > stale_after_s and self.running == 0:
+            return 0.0
+        return max((u for t, u in self.kv_steps if t >= now - window_s), default=self.kv_cache_usage)
 
 
 KV_STEPS_KEPT_S = 5.0
@@ -146,58 +158,53 @@ class KvCache(Source):
     32 MiB cache, 168 chats waiting: 0.46-1.0 every ~2 s, mean 0.75; docs/breakers.md).
 
     While `holding()` (the kv-cache breaker has moved new requests off the primary) the reading
-    is also the pool's demand in the primary's terms: the first tokens the pool now serves per
-    second (`rate()`) times the KV use per first token/s the primary showed the last time it was
-    full. The emptied primary's own cache says nothing about whether the load would fit if it
-    came back; without this the ladder recovered onto a cache the same load refilled at once
-    (three switches in one 16 s bench window; docs/breakers.md)."""
+    is the KV the pool's present load holds, in the primary's terms: the tokens every engine of
+    the ladder holds now (its windowed use x its capacity in tokens) over the primary's capacity.
+    The emptied primary's own cache says nothing about whether the load would fit if it came
+    back; without this the ladder recovered onto a cache the same load refilled at once (three
+    switches in one 16 s bench window; docs/breakers.md). It assumes the ladder's models count
+    tokens alike (one family, one tokenizer) and that vLLM's block rounding is small. An engine
+    that holds KV but whose capacity is unknown leaves the primary's own reading."""
 
     name = "kv_cache"
 
-    LEARN_ABOVE = 0.5
-    """The primary's KV use per first token/s is learnt while its own reading is at least this
-    (a cache that is only lightly used says little about where it fills)."""
-
     def __init__(self, stats: Callable[[], EngineStats | None], stale_after_s: float = 2.0, window_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, rate: Callable[[], float | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, others: Callable[[], list[EngineStats]] | None = None,
                  holding: Callable[[], bool] | None = None):
         self.stats = stats
         self.stale_after_s = stale_after_s
         self.window_s = window_s
         self.clock = clock
-        self.rate = rate
+        self.others = others
+        """The stats of the ladder's other engines (the fallbacks)."""
         self.holding = holding
-        self.kv_per_rate: float | None = None
-        """KV use per first token/s the primary served when it was last at least LEARN_ABOVE full."""
 
-    def _primary(self) -> float | None:
-        s = self.stats()
-        if s is None or s.kv_cache_usage is None:
-            return None
-        now = self.clock()
-        # vLLM only reports while it has work; an idle engine's cache is empty.
-        if now - s.updated > self.stale_after_s and s.running == 0:
-            return 0.0
-        return max((u for t, u in s.kv_steps if t >= now - self.window_s), default=s.kv_cache_usage)
+    def _use(self, s: EngineStats | None) -> float | None:
+        return None if s is None else s.kv_use(self.clock(), self.window_s, self.stale_after_s)
 
     def demand(self) -> float | None:
-        """The KV use the pool's present load would give the primary (None: nothing learnt)."""
-        r = self.rate() if self.rate is not None else None
-        if r is None or self.kv_per_rate is None:
+        """The KV the pool's present load holds, as a share of the primary's cache (not capped at
+        1); None: a capacity it needs is unknown."""
+        primary = self.stats()
+        capacity = primary.kv_capacity_tokens if primary is not None else None
+        if not capacity:
             return None
-        return min(1.0, r * self.kv_per_rate)
+        held = 0.0
+        for s in [primary, *(self.others() if self.others is not None else [])]:
+            use = self._use(s)
+            if not use:
+                continue  # never reported, or empty: holds nothing
+            if not s.kv_capacity_tokens:
+                return None
+            held += use * s.kv_capacity_tokens
+        return held / capacity
 
     def read(self) -> float | None:
-        own = self._primary()
-        if self.rate is None or self.holding is None:
+        own = self._use(self.stats())
+        if self.holding is None or not self.holding():
             return own
-        if self.holding():
-            d = self.demand()
-            return own if d is None else max(own or 0.0, d)
-        r = self.rate()
-        if own is not None and own >= self.LEARN_ABOVE and r:
-            self.kv_per_rate = own / r
-        return own
+        d = self.demand()
+        return own if d is None else min(1.0, d)  # d counts the primary's own tokens too
 
 
 @dataclass
@@ -220,13 +227,6 @@ class RequestWindow:
 
     def record_outcome(self, failed: bool) -> None:
         self.outcomes.append((self.clock(), failed))
-
-    def first_token_rate(self, over_s: float = 2.0) -> float:
-        """First tokens per second over the last `over_s`: the load the pool is serving now
-        (requests still queued have none yet, so a full engine reads at what it gets through)."""
-        self._trim(self.ttfts)
-        cutoff = self.clock() - over_s
-        return sum(1 for _ in itertools.takewhile(lambda e: e[0] >= cutoff, reversed(self.ttfts))) / over_s
 
     def ttft_p95(self) -> float | None:
         self._trim(self.ttfts)

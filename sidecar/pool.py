@@ -54,7 +54,8 @@ class Pool:
         """Load the models (blocking: tens of seconds on CPU) and the monitors' sources."""
         self.ladder.start(self.config.standby)
         sources = {
-            "kv_cache": KvCache(lambda: self.primary.stats, rate=self.window.first_token_rate, holding=self._kv_holding),
+            "kv_cache": KvCache(lambda: self.primary.stats, clock=self.clock, holding=self._kv_holding,
+                                others=lambda: [m.stats for m in self.ladder.engines[1:]]),
             "cpu_load": CpuLoad(),
             "gpu_memory": GpuMemory(),
             "ttft_p95": FromFunction("ttft_p95", self.window.ttft_p95),
@@ -64,7 +65,7 @@ class Pool:
 
     def _kv_holding(self) -> bool:
         """A kv-cache breaker has moved new requests off the primary (its recovery then reads
-        the pool's demand, monitors.KvCache)."""
+        the KV the whole ladder holds, monitors.KvCache)."""
         return any(b.config.signal == "kv_cache" and "degrade" in b.actions for b in self.breakers)
 
     def _kv_cache_usage(self) -> float | None:
@@ -150,6 +151,7 @@ class Pool:
                     # vLLM's own count of requests it still holds (KV blocks included).
                     "unfinished": m.engine.get_num_unfinished_requests() if m.engine is not None else 0,
                     "kv_cache_usage": m.stats.kv_cache_usage,
+                    "kv_capacity_tokens": m.stats.kv_capacity_tokens,
                     "running": m.stats.running,
                     "waiting": m.stats.waiting,
                     # Time-bounded admission: its engine slots, the line and the measured rate.
