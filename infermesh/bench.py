@@ -1,6 +1,7 @@
 """`infermesh bench`: what infermesh buys a waiting person, side by side with what users run today.
 
     infermesh bench [--quick] [--scenario batch-flood|overload|all] [--json FILE] [--plot FILE.png]
+    infermesh bench --scenario prefix [--quick] [--rounds N] [--json FILE]   (infermesh/bench_prefix.py)
 
 Three set-ups on the same models, engine settings and machine, all started once and kept up
 (an idle vLLM engine blocks on its input queue, so the set-ups not measured cost nothing):
@@ -604,6 +605,11 @@ def run_cli(args: argparse.Namespace) -> int:
 
     from .bench_report import format_report, plot_report
     from .models import build_all
+
+    if args.scenario == "prefix":  # its own set-ups (one pool of two replicas): infermesh/bench_prefix.py
+        from .bench_prefix import run_cli as run_prefix
+
+        return run_prefix(args)
 
     def say(msg: str) -> None:
         print(f"bench: {msg}", file=sys.stderr, flush=True)

@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                            description="Start the three set-ups on the same models and cores, sweep the load "
                                        "(batch flood, overload) in interleaved rounds, and report ratios, goodput and outcomes.")
     bench.add_argument("--quick", action="store_true", help="2 rounds, 2 levels per scenario, short windows (a few minutes)")
-    bench.add_argument("--scenario", choices=["batch-flood", "overload", "all"], default="all")
+    bench.add_argument("--scenario", choices=["batch-flood", "overload", "all", "prefix"], default="all",
+                       help="all: batch-flood and overload; prefix: prefix-aware picking vs ORCA vs round robin (infermesh/bench_prefix.py)")
     bench.add_argument("--rounds", type=int, help="rounds (default 3, --quick 2)")
     bench.add_argument("--policy", help="mesh policy (default: mesh-config/policies/local.yaml); the bench works on a copy")
     bench.add_argument("--json", metavar="FILE", help="write the report as JSON")
