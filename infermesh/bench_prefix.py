@@ -151,6 +151,24 @@ def idle_before(samples: list[tuple[float, int]], t: float) -> float | None:
     return t - busy[-1] if busy else None
 
 
+def reuse_bound(turns: list[dict], block: int = 16) -> float | None:
+    """The hit rate if every later turn found its conversation's previous prompt cached (whole
+    16-token blocks; vLLM's block size on CPU): what an unbounded cache gives one conversation
+    at a time. The answers are not counted (the random models' text is tokenized anew when
+    resent), nor another conversation's shared system prompt (the hot tenant's can beat it)."""
+    by_conv: dict[tuple, list[dict]] = {}
+    for t in turns:
+        by_conv.setdefault((t.get("window"), t["conv"]), []).append(t)
+    reused = total = 0
+    for conv in by_conv.values():
+        conv.sort(key=lambda t: t["turn"])
+        if any(t["prompt_tokens"] is None for t in conv):
+            return None
+        total += sum(t["prompt_tokens"] for t in conv)
+        reused += sum(block * (a["prompt_tokens"] // block) for a, b in zip(conv, conv[1:]) if b["turn"] == a["turn"] + 1)
+    return round(reused / total, 4) if total else None
+
+
 def statuses(turns: list[dict]) -> dict[str, int]:
     """How the turns ended: HTTP status (0: no response), `200-no-token` for a 200 without one."""
     out: dict[str, int] = {}
@@ -176,6 +194,7 @@ def summarize(windows: list[dict], opt: Options) -> dict:
     return {
         "windows": len(windows), "turns": sent, "ok": sum(1 for w in windows for t in w["turns"] if t["ttft"] is not None),
         "hit_rate": round(h / q, 4) if q > 0 else None, "cache_queries_tokens": q,
+        "reuse_bound": reuse_bound([{**t, "window": i} for i, w in enumerate(windows) for t in w["turns"]]),
         "hit_rate_rounds": spread([w["cache"]["rate"] for w in windows]),
         "later_ttft_ms": {"p50": ms([t["ttft"] for t in later], 0.5), "p90": ms([t["ttft"] for t in later], 0.9),
                           "p99": ms([t["ttft"] for t in later], 0.99), "n": len(later)},
@@ -203,6 +222,8 @@ def targets(report: dict) -> dict:
         "hit_rate_prefix_vs_ceiling": ratio(sp["prefix"]["hit_rate"], sp["one-replica"]["hit_rate"]),
         "hit_rate_orca_vs_ceiling": ratio(sp["orca"]["hit_rate"], sp["one-replica"]["hit_rate"]),
         "hit_rate_round_robin_vs_ceiling": ratio(sp["round-robin"]["hit_rate"], sp["one-replica"]["hit_rate"]),
+        "hit_rate_prefix_vs_reuse_bound": ratio(sp["prefix"]["hit_rate"], sp["prefix"].get("reuse_bound")),
+        "hit_rate_one_replica_vs_reuse_bound": ratio(sp["one-replica"]["hit_rate"], sp["one-replica"].get("reuse_bound")),
         "hot_hit_rate_prefix_vs_ceiling": ratio(hot["prefix"]["hit_rate"], hot["one-replica"]["hit_rate"]),
         "later_ttft_p90_prefix_vs_orca": ratio(sp["prefix"]["later_ttft_ms"]["p90"], sp["orca"]["later_ttft_ms"]["p90"]),
         "later_ttft_warm_p90_prefix_vs_orca": ratio(sp["prefix"]["later_ttft_warm_ms"]["p90"], sp["orca"]["later_ttft_warm_ms"]["p90"]),

@@ -5,7 +5,7 @@ No processes: the windows are built by hand."""
 from __future__ import annotations
 
 from infermesh.bench_prefix import (SETUPS, Options, conversation_tenants, counter_sum, filter_counters, hit_rate, http_filter_names, idle_before,
-                                    inflight_balance, pct, policies, ratio, session_filter_in, spread, summarize,
+                                    inflight_balance, pct, policies, ratio, reuse_bound, session_filter_in, spread, summarize,
                                     system_prompt, targets)
 
 
@@ -157,3 +157,12 @@ def test_filter_counters_are_summed_over_envoys_stat_prefixes():
     text = ("wasmcustom.infermesh.prefix_named_total: 7\nwasmcustom.infermesh.prefix_learned_total: 9\n"
             "other.infermesh.prefix_named_total: 1\ninfermesh.prefix_over_bound_total: 2\ncluster.x.prefix_named: 5\n")
     assert filter_counters(text) == {"named": 8, "over_bound": 2, "learned": 9}
+
+
+def test_reuse_bound_counts_each_later_turns_previous_prompt_in_whole_blocks():
+    turns = [{"conv": 0, "turn": 0, "prompt_tokens": 100}, {"conv": 0, "turn": 1, "prompt_tokens": 140},
+             {"conv": 1, "turn": 0, "prompt_tokens": 60}]
+    # conv 0's turn 1 reuses 96 of turn 0's 100 tokens (6 blocks); conv 1 has no later turn.
+    assert reuse_bound(turns) == round(96 / 300, 4)
+    assert reuse_bound([{"conv": 0, "turn": 0, "prompt_tokens": None}]) is None
+    assert reuse_bound([]) is None
