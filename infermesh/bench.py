@@ -606,11 +606,6 @@ def run_cli(args: argparse.Namespace) -> int:
     from .bench_report import format_report, plot_report
     from .models import build_all
 
-    if args.scenario == "prefix":  # its own set-ups (one pool of two replicas): infermesh/bench_prefix.py
-        from .bench_prefix import run_cli as run_prefix
-
-        return run_prefix(args)
-
     def say(msg: str) -> None:
         print(f"bench: {msg}", file=sys.stderr, flush=True)
 

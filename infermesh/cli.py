@@ -127,6 +127,10 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.scenario == "prefix":  # its own set-ups (one pool of two replicas): infermesh/bench_prefix.py
+        from .bench_prefix import run_cli as run_prefix
+
+        return run_prefix(args)
     from .bench import run_cli
 
     return run_cli(args)
