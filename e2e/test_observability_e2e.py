@@ -80,9 +80,14 @@ class Traffic:
             raw = self.client.chat.completions.with_raw_response.create(
                 model="tiny-llama", messages=[{"role": "user", "content": "Name three colours."}], stream=True, max_tokens=12,
                 stream_options={"include_usage": True}, extra_headers={"traceparent": trace})
-            tokens = sum(1 for chunk in raw.parse() for ch in chunk.choices if ch.delta.content)
-            if tokens < 2:
-                self.errors.append(f"chat streamed {tokens} tokens")
+            chunks = list(raw.parse())
+            # Counted by the usage chunk, not by chunks: vLLM merges the deltas its consumer has not
+            # taken yet (RequestOutputCollector), so on a busy machine the small model's 12 tokens
+            # came in one chunk (suite order, 2026-12-05).
+            text = "".join(ch.delta.content or "" for chunk in chunks for ch in chunk.choices)
+            usage = next((chunk.usage for chunk in reversed(chunks) if chunk.usage is not None), None)
+            if usage is None or usage.completion_tokens < 2 or not text:
+                self.errors.append(f"chat streamed {usage.completion_tokens if usage else None} tokens: {text!r}")
             self._record("chat", trace, raw.status_code, raw.headers)
         except openai.APIStatusError as e:
             self._record("chat", trace, e.status_code, e.response.headers)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -157,54 +158,90 @@ class KvCache(Source):
     queue refills them, so a full cache reads as a sawtooth (measured on the bench's overload,
     32 MiB cache, 168 chats waiting: 0.46-1.0 every ~2 s, mean 0.75; docs/breakers.md).
 
-    While `holding()` (the kv-cache breaker has moved new requests off the primary) the reading
-    is the KV the pool's present load holds, in the primary's terms: the tokens every engine of
-    the ladder holds now (its windowed use x its capacity in tokens) over the primary's capacity.
-    The emptied primary's own cache says nothing about whether the load would fit if it came
-    back; without this the ladder recovered onto a cache the same load refilled at once (three
-    switches in one 16 s bench window; docs/breakers.md). It assumes the ladder's models count
-    tokens alike (one family, one tokenizer) and that vLLM's block rounding is small. An engine
-    that holds KV but whose capacity is unknown leaves the primary's own reading."""
+    While `holding()` (the kv-cache breaker has moved new requests off the primary) the emptied
+    primary's own cache says nothing about whether the load would fit if it came back; read on
+    it, the ladder recovered onto a cache the same load refilled at once (three switches in one
+    16 s bench window; docs/breakers.md). So the reading is then the higher of two measures of
+    the pool's present load in the primary's terms:
+
+    - `held()`: the tokens every engine of the ladder holds now (its windowed use x its cache
+      in tokens) over the primary's cache in tokens. It assumes the ladder's models count tokens
+      alike (one family, one tokenizer) and that vLLM's block rounding is small; an engine that
+      holds KV but whose cache size is unknown leaves the primary's own reading.
+    - `projected()`: the first tokens the pool serves per second (`rate()`) times the primary's
+      KV use per first token/s learnt in the pressure that made the ladder hold (at most
+      `FRESH_S` before the hold began). A faster fallback turns the same load over in fewer
+      tokens (the bench's overload: a third of the primary's cache), so `held()` alone stepped
+      back onto a primary that refilled within 2 s; a ratio learnt from another load (one long
+      prompt at a low rate, minutes before) read light chats as a full primary and never let go."""
 
     name = "kv_cache"
 
+    LEARN_ABOVE = 0.5
+    """The primary's KV use per first token/s is learnt while its own reading is at least this
+    (a cache that is only lightly used says little about where it fills)."""
+    FRESH_S = 5.0
+    """A ratio learnt longer than this before the ladder began to hold is another load's."""
+
     def __init__(self, stats: Callable[[], EngineStats | None], stale_after_s: float = 2.0, window_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, others: Callable[[], list[EngineStats]] | None = None,
-                 holding: Callable[[], bool] | None = None):
+                 rate: Callable[[], float | None] | None = None, holding: Callable[[], bool] | None = None):
         self.stats = stats
         self.stale_after_s = stale_after_s
         self.window_s = window_s
         self.clock = clock
         self.others = others
         """The stats of the ladder's other engines (the fallbacks)."""
+        self.rate = rate
         self.holding = holding
+        self.kv_per_rate: float | None = None
+        """The primary's KV use per first token/s, learnt the last time it was LEARN_ABOVE full
+        (at `learnt_at`); kept for a hold only if learnt at most FRESH_S before it began."""
+        self.learnt_at = float("-inf")
+        self._was_holding = False
 
     def _use(self, s: EngineStats | None) -> float | None:
         return None if s is None else s.kv_use(self.clock(), self.window_s, self.stale_after_s)
 
-    def demand(self) -> float | None:
-        """The KV the pool's present load holds, as a share of the primary's cache (not capped at
-        1); None: a capacity it needs is unknown."""
+    def held(self) -> float | None:
+        """The KV the ladder's engines hold now, as a share of the primary's cache (not capped
+        at 1); None: a cache size it needs is unknown."""
         primary = self.stats()
         capacity = primary.kv_capacity_tokens if primary is not None else None
         if not capacity:
             return None
-        held = 0.0
+        tokens = 0.0
         for s in [primary, *(self.others() if self.others is not None else [])]:
             use = self._use(s)
             if not use:
                 continue  # never reported, or empty: holds nothing
             if not s.kv_capacity_tokens:
                 return None
-            held += use * s.kv_capacity_tokens
-        return held / capacity
+            tokens += use * s.kv_capacity_tokens
+        return tokens / capacity
+
+    def projected(self) -> float | None:
+        """The KV use the pool's present first-token rate would give the primary, by the ratio
+        learnt in the pressure that made the ladder hold (None: none learnt then)."""
+        r = self.rate() if self.rate is not None else None
+        if r is None or self.kv_per_rate is None:
+            return None
+        return r * self.kv_per_rate
 
     def read(self) -> float | None:
         own = self._use(self.stats())
-        if self.holding is None or not self.holding():
+        holding = self.holding is not None and self.holding()
+        if holding and not self._was_holding and self.clock() - self.learnt_at > self.FRESH_S:
+            self.kv_per_rate = None  # learnt before this pressure: another load's
+        self._was_holding = holding
+        if not holding:
+            r = self.rate() if self.rate is not None else None
+            if own is not None and own >= self.LEARN_ABOVE and r:
+                self.kv_per_rate, self.learnt_at = own / r, self.clock()
             return own
-        d = self.demand()
-        return own if d is None else min(1.0, d)  # d counts the primary's own tokens too
+        readings = [v for v in (self.held(), self.projected()) if v is not None]
+        # held() counts the primary's own tokens too; without it, the primary's own reading.
+        return min(1.0, max([own or 0.0, *readings])) if readings else own
 
 
 @dataclass
@@ -227,6 +264,13 @@ class RequestWindow:
 
     def record_outcome(self, failed: bool) -> None:
         self.outcomes.append((self.clock(), failed))
+
+    def first_token_rate(self, over_s: float = 2.0) -> float:
+        """First tokens per second over the last `over_s`: the load the pool is serving now
+        (requests still queued have none yet, so a full engine reads at what it gets through)."""
+        self._trim(self.ttfts)
+        cutoff = self.clock() - over_s
+        return sum(1 for _ in itertools.takewhile(lambda e: e[0] >= cutoff, reversed(self.ttfts))) / over_s
 
     def ttft_p95(self) -> float | None:
         self._trim(self.ttfts)

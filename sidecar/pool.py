@@ -55,7 +55,7 @@ class Pool:
         self.ladder.start(self.config.standby)
         sources = {
             "kv_cache": KvCache(lambda: self.primary.stats, clock=self.clock, holding=self._kv_holding,
-                                others=lambda: [m.stats for m in self.ladder.engines[1:]]),
+                                others=lambda: [m.stats for m in self.ladder.engines[1:]], rate=self.window.first_token_rate),
             "cpu_load": CpuLoad(),
             "gpu_memory": GpuMemory(),
             "ttft_p95": FromFunction("ttft_p95", self.window.ttft_p95),
@@ -65,7 +65,7 @@ class Pool:
 
     def _kv_holding(self) -> bool:
         """A kv-cache breaker has moved new requests off the primary (its recovery then reads
-        the KV the whole ladder holds, monitors.KvCache)."""
+        the pool's present load in the primary's terms, monitors.KvCache)."""
         return any(b.config.signal == "kv_cache" and "degrade" in b.actions for b in self.breakers)
 
     def _kv_cache_usage(self) -> float | None:
