@@ -131,14 +131,46 @@ fn content_bench() {
     }
 }
 
-/// `content-count LO HI MAX_TEXT KB ITERS`: one case, ITERS times, untimed: for callgrind's
-/// count of instructions in `classify_body` (filter/bench/content_instructions.sh).
+/// `content-count LO HI MAX_TEXT KB ITERS`: one case, ITERS calls of `classify_body`, the loop
+/// alone timed: callgrind's instructions for ITERS calls and the time of the same calls natively
+/// (filter/bench/content_instructions.sh divides one by the other).
 fn content_count(args: &[String]) {
     let n = |i: usize| args.get(i).and_then(|a| a.parse::<usize>().ok()).expect("content-count LO HI MAX_TEXT KB ITERS");
     let (model, body) = content_case([n(0) as u8, n(1) as u8], n(2), n(3));
+    let t = Instant::now();
     for _ in 0..n(4) {
         black_box(model.classify_body(&[black_box(&body)]));
     }
+    let el = t.elapsed().as_secs_f64();
+    println!("{} calls in {el:.4} s: {:.3} us/call", n(4), el * 1e6 / n(4).max(1) as f64);
+}
+
+/// `clock`: the core's clock in GHz from a chain of dependent register adds (one cycle each;
+/// /proc/cpuinfo's "cpu MHz" in a VM is the nominal 2.6 GHz, not what the core runs at).
+#[cfg(target_arch = "x86_64")]
+fn clock() {
+    let best = (0..5)
+        .map(|_| {
+            let (mut x, n) = (0u64, 200_000_000u64);
+            let t = Instant::now();
+            for i in 0..n / 8 {
+                // Register operands: an add of an immediate can be folded at rename on newer cores.
+                unsafe {
+                    std::arch::asm!("add {x}, {i}", "add {x}, {i}", "add {x}, {i}", "add {x}, {i}",
+                                    "add {x}, {i}", "add {x}, {i}", "add {x}, {i}", "add {x}, {i}",
+                                    x = inout(reg) x, i = in(reg) i, options(nomem, nostack));
+                }
+            }
+            black_box(x);
+            n as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .fold(0.0, f64::max);
+    println!("clock {best:.2} GHz (best of 5)");
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn clock() {
+    println!("clock: x86_64 only");
 }
 
 fn main() {
@@ -146,6 +178,7 @@ fn main() {
     match args.first().map(String::as_str) {
         Some("content") => return content_bench(),
         Some("content-count") => return content_count(&args[1..]),
+        Some("clock") => return clock(),
         _ => {}
     }
     let cfg = FilterConfig::parse(
