@@ -262,6 +262,7 @@ PROFILE = {
     "headers-only-keep-level": ("headers-only", _keep_level_header),
     "body-content-chars": ("body", _content([3, 4])),
     "body-content-words": ("body", _content([0, 0])),
+    "body-content-default": ("body", _content([3, 3])),
     **{f"body-{part}": ("body", SKIPS[part]) for part in ("no-pause", "no-copy", "no-scan", "no-write")},
     **ISTIO_PROFILE,
 }

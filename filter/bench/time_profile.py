@@ -24,7 +24,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import instructions  # noqa: E402
 import run_bench as rb  # noqa: E402
+
+_write_run_bench_config = rb.write_variant_config
+
+
+def _write_config(path: Path, name: str, port: int, admin: int, sink_port: int, runtime: str,
+                  modules: dict[str, Path] | None = None, native_module: Path | None = None) -> None:
+    """instructions.py's profile variants (a run_bench variant with one part changed, e.g. a
+    content rule added: body-content-default) are timed here too."""
+    if name in instructions.PROFILE:
+        instructions.write_config(path, name, port, admin, sink_port, modules)
+    else:
+        _write_run_bench_config(path, name, port, admin, sink_port, runtime, modules, native_module)
+
+
+rb.write_variant_config = _write_config
 
 FREQ = 1999  # samples a second, per thread
 
@@ -71,7 +87,7 @@ def profile_once(work: Path, veg: str, name: str, sink_port: int, body: bytes, s
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="body", help="variants of run_bench.py (no-filter always runs)")
+    ap.add_argument("--variants", default="body", help="variants of run_bench.py or instructions.py's profile variants (no-filter always runs)")
     ap.add_argument("--sizes", default="32")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=3)
