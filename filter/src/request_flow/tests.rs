@@ -9,10 +9,11 @@ use crate::process_pool_table::{pools_to_probe, PoolTable};
 
 type ModuleConfig = Accepted<PoolTable>;
 
-/// A fake `Host`: header maps, a body, what was sent and counted.
+/// A fake `Host`: the request's headers as bytes, as Envoy holds them (names and values need not
+/// be UTF-8), its body in slices, the response's headers, what was answered and counted.
 #[derive(Default)]
 struct FakeHost {
-    request: Vec<(String, String)>,
+    request: Vec<(Vec<u8>, Vec<u8>)>,
     body: Vec<u8>,
     /// The lengths of the slices the body is held in, but the last (none: one slice).
     body_cuts: Vec<usize>,
@@ -20,38 +21,62 @@ struct FakeHost {
     principals: Vec<String>,
     response: Vec<(String, String)>,
     route_cache_clears: usize,
+    /// The answer: status, headers, body (a second one fails the test).
     sent: Option<(u32, Vec<(String, String)>, Vec<u8>)>,
     counted: Vec<usize>,
 }
 
 impl FakeHost {
     fn request(method: &str, path: &str, extra: &[(&str, &str)]) -> FakeHost {
-        let mut request = vec![(":method".to_string(), method.to_string()), (":path".to_string(), path.to_string())];
-        request.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-        FakeHost { request, ..FakeHost::default() }
+        let mut h = FakeHost::default();
+        h.push(":method", method);
+        h.push(":path", path);
+        for (k, v) in extra {
+            h.push(k, v);
+        }
+        h
     }
 
+    /// A request header as a client sends it, next to any of the same name.
+    fn push(&mut self, name: &str, value: &str) {
+        self.request.push((name.as_bytes().to_vec(), value.as_bytes().to_vec()));
+    }
+
+    /// A request header's first value, as text (one that is not UTF-8 fails the test).
     fn header(&self, name: &str) -> Option<&str> {
-        self.request.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.request.iter().find(|(k, _)| k == name.as_bytes()).map(|(_, v)| std::str::from_utf8(v).expect("a UTF-8 value"))
+    }
+
+    /// How many values of a request header are held.
+    fn header_count(&self, name: &str) -> usize {
+        self.request.iter().filter(|(k, _)| k == name.as_bytes()).count()
+    }
+
+    /// The request headers whose names start with `prefix`, in order, as text.
+    fn headers_starting_with(&self, prefix: &str) -> Vec<(&str, &str)> {
+        fn text(b: &[u8]) -> &str {
+            std::str::from_utf8(b).expect("a UTF-8 header")
+        }
+        self.request.iter().filter(|(k, _)| k.starts_with(prefix.as_bytes())).map(|(k, v)| (text(k), text(v))).collect()
     }
 }
 
 impl Host for FakeHost {
     fn request_headers(&self) -> Vec<(&[u8], &[u8])> {
-        self.request.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())).collect()
+        self.request.iter().map(|(k, v)| (k.as_slice(), v.as_slice())).collect()
     }
     fn add_request_header(&mut self, name: &str, value: &str) {
-        assert!(self.header(name).is_none(), "added over an existing {name}");
-        self.request.push((name.to_string(), value.to_string()));
+        assert_eq!(self.header_count(name), 0, "added over an existing {name}");
+        self.push(name, value);
     }
     fn set_request_header(&mut self, name: &str, value: Option<&str>) {
-        self.request.retain(|(k, _)| k != name);
+        self.request.retain(|(k, _)| k != name.as_bytes());
         if let Some(v) = value {
-            self.request.push((name.to_string(), v.to_string()));
+            self.push(name, v);
         }
     }
     fn remove_request_header(&mut self, name: &[u8]) {
-        self.request.retain(|(k, _)| k.as_bytes() != name);
+        self.request.retain(|(k, _)| k != name);
     }
     fn clear_route_cache(&mut self) {
         self.route_cache_clears += 1;
@@ -77,6 +102,7 @@ impl Host for FakeHost {
         self.principals.clone()
     }
     fn send_response(&mut self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        assert!(self.sent.is_none(), "answered twice");
         self.sent = Some((status, headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(), body.to_vec()));
     }
     fn response_header(&self, name: &str) -> Option<String> {
@@ -189,10 +215,8 @@ fn every_internal_header_from_outside_is_stripped_before_anything_reads_it() {
             let mut h = FakeHost::request("GET", "/v1/models", &[(name, "interactive"), ("x-priority", "low")]);
             h.source = source.map(str::to_string);
             Stream::default().on_request_headers(&cfg, &mut h, true);
-            let internal: Vec<_> = h.request.iter().filter(|(k, _)| k.starts_with("x-infermesh-")).cloned().collect();
-            let want: Vec<(String, String)> =
-                [(HEADER_CLASS, "batch"), (HEADER_POOL, "batch"), (HEADER_RULE, "default")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-            assert_eq!(internal, want, "{name} from {source:?}: only the filter's own decision remains");
+            let internal = h.headers_starting_with("x-infermesh-");
+            assert_eq!(internal, [(HEADER_CLASS, "batch"), (HEADER_POOL, "batch"), (HEADER_RULE, "default")], "{name} from {source:?}: only the filter's own decision remains");
             assert_eq!(counted(&h, &names).iter().filter(|n| *n == "infermesh.stripped_requests_total").count(), 1, "{name}");
         }
     }
@@ -441,67 +465,6 @@ fn without_degraded_routing_the_level_header_is_only_removed() {
 
 // ---- the request path on any input, natively (both runtimes run this flow) ----------------------
 
-/// A host whose headers are bytes, as Envoy's are: names and values need not be UTF-8.
-#[derive(Default)]
-struct ByteHost {
-    request: Vec<(Vec<u8>, Vec<u8>)>,
-    body: Vec<u8>,
-    cut: usize,
-    source: Option<String>,
-    principals: Vec<String>,
-    response: Vec<(String, String)>,
-    sent: Option<u32>,
-    counted: Vec<usize>,
-}
-
-impl Host for ByteHost {
-    fn request_headers(&self) -> Vec<(&[u8], &[u8])> {
-        self.request.iter().map(|(k, v)| (k.as_slice(), v.as_slice())).collect()
-    }
-    fn add_request_header(&mut self, name: &str, value: &str) {
-        assert!(!self.request.iter().any(|(k, _)| k == name.as_bytes()), "added over an existing {name}");
-        self.request.push((name.as_bytes().to_vec(), value.as_bytes().to_vec()));
-    }
-    fn set_request_header(&mut self, name: &str, value: Option<&str>) {
-        self.request.retain(|(k, _)| k != name.as_bytes());
-        if let Some(v) = value {
-            self.request.push((name.as_bytes().to_vec(), v.as_bytes().to_vec()));
-        }
-    }
-    fn remove_request_header(&mut self, name: &[u8]) {
-        self.request.retain(|(k, _)| k != name);
-    }
-    fn clear_route_cache(&mut self) {}
-    fn request_body(&mut self) -> Vec<&[u8]> {
-        let (a, b) = self.body.split_at(self.cut.min(self.body.len()));
-        vec![a, b]
-    }
-    fn request_body_size(&self) -> usize {
-        self.body.len()
-    }
-    fn source_address(&self) -> Option<String> {
-        self.source.clone()
-    }
-    fn peer_principals(&self) -> Vec<String> {
-        self.principals.clone()
-    }
-    fn send_response(&mut self, status: u32, _headers: &[(&str, &str)], _body: &[u8]) {
-        assert!(self.sent.is_none(), "answered twice");
-        self.sent = Some(status);
-    }
-    fn response_header(&self, name: &str) -> Option<String> {
-        self.response.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
-    }
-    fn remove_response_header(&mut self, name: &str) {
-        self.response.retain(|(k, _)| k != name);
-    }
-    fn count(&mut self, id: CounterId) {
-        if let Some(id) = id {
-            self.counted.push(id);
-        }
-    }
-}
-
 struct Rng(u64);
 
 impl Rng {
@@ -553,7 +516,7 @@ fn the_request_path_never_panics_and_never_lets_an_outside_header_through() {
     let end = std::time::Instant::now() + fuzz_budget();
     let mut n = 0u64;
     while std::time::Instant::now() < end {
-        let mut h = ByteHost {
+        let mut h = FakeHost {
             source: r.pick(sources).map(str::to_string),
             principals: if r.below(4) == 0 { vec![String::from_utf8_lossy(&r.bytes(values, 2)).into_owned()] } else { vec![] },
             ..Default::default()
@@ -567,7 +530,7 @@ fn the_request_path_never_panics_and_never_lets_an_outside_header_through() {
         if r.below(4) == 0 {
             h.body.extend(std::iter::repeat(b' ').take(r.below(6000) as usize));
         }
-        h.cut = r.below(h.body.len() as u64 + 1) as usize;
+        h.body_cuts = vec![r.below(h.body.len() as u64 + 1) as usize];
         let trusted = source_is_trusted(&cfg.filter, &h);
         let mut st = Stream::default();
         let eos = h.body.is_empty() || r.below(8) == 0;
@@ -580,8 +543,8 @@ fn the_request_path_never_panics_and_never_lets_an_outside_header_through() {
         }
         assert_ne!(next, Next::Wait, "seed {s}: still waiting after the whole body");
         assert_eq!(next == Next::Answered, h.sent.is_some(), "seed {s}");
-        if let Some(status) = h.sent {
-            assert_eq!(status, 429, "seed {s}");
+        if let Some((status, _, _)) = &h.sent {
+            assert_eq!(*status, 429, "seed {s}");
         }
         if !trusted {
             for (k, v) in &h.request {
@@ -593,13 +556,13 @@ fn the_request_path_never_panics_and_never_lets_an_outside_header_through() {
                 }
             }
             if next == Next::Continue {
-                let one = |name: &str| h.request.iter().filter(|(k, _)| k == name.as_bytes()).count();
+                let one = |name: &str| h.header_count(name);
                 assert_eq!((one(HEADER_CLASS), one(HEADER_POOL), one(HEADER_RULE)), (1, 1, 1), "seed {s}: one decision");
             }
         }
         assert!(h.counted.iter().all(|id| *id < names.len()), "seed {s}: a counter nobody defined");
         // The response side: the level header never reaches the client, whatever it says.
-        let mut resp = ByteHost::default();
+        let mut resp = FakeHost::default();
         let level = String::from_utf8_lossy(&r.bytes(&[b"interactive", b"batch", b";", b"3", b"4", b"r1", b"\xff", b" ", b"x"], 6)).into_owned();
         resp.response.push((HEADER_POOL_LEVEL.to_string(), level));
         st.on_response_headers(&cfg, &mut resp);
@@ -724,17 +687,17 @@ fn a_client_cannot_choose_a_replica_by_sending_the_prefix_key() {
     let (cfg, names) = prefix_module();
     // Spoofed on a request that has a key of its own: the filter's replaces it.
     let mut h = chat(TWO_TURNS);
-    h.request.push((HEADER_PREFIX_KEY.to_string(), "00000000000000aa".to_string()));
+    h.push(HEADER_PREFIX_KEY, "00000000000000aa");
     decide(&cfg, &mut h);
-    assert_eq!(h.request.iter().filter(|(k, _)| k == HEADER_PREFIX_KEY).count(), 1);
+    assert_eq!(h.header_count(HEADER_PREFIX_KEY), 1);
     assert_eq!(h.header(HEADER_PREFIX_KEY).map(str::to_string), expected_key(TWO_TURNS));
     assert!(counted(&h, &names).contains(&"infermesh.stripped_requests_total".to_string()));
     // On one without a usable prefix, or of a class without keys: none is left.
     for (body, extra) in [(&br#"{"stream":true,"messages":[{"role":"user","content":"hi"}]}"#[..], None), (TWO_TURNS, Some(("x-plain", "1")))] {
         let mut h = chat(body);
-        h.request.push((HEADER_PREFIX_KEY.to_string(), "00000000000000aa".to_string()));
+        h.push(HEADER_PREFIX_KEY, "00000000000000aa");
         if let Some((k, v)) = extra {
-            h.request.push((k.to_string(), v.to_string()));
+            h.push(k, v);
         }
         decide(&cfg, &mut h);
         assert_eq!(h.header(HEADER_PREFIX_KEY), None);
@@ -742,7 +705,7 @@ fn a_client_cannot_choose_a_replica_by_sending_the_prefix_key() {
     // A trusted peer's partial decision (no class and pool): decided here, its key replaced.
     let mut h = chat(TWO_TURNS);
     h.source = Some("10.8.0.9:5000".into());
-    h.request.push((HEADER_PREFIX_KEY.to_string(), "00000000000000aa".to_string()));
+    h.push(HEADER_PREFIX_KEY, "00000000000000aa");
     decide(&cfg, &mut h);
     assert_eq!(h.header(HEADER_PREFIX_KEY).map(str::to_string), expected_key(TWO_TURNS));
 }
@@ -814,23 +777,23 @@ fn a_client_cannot_choose_a_replica_by_sending_the_prefix_host() {
     serve(&cfg, chat(TWO_TURNS), &[(":status", "200"), (HEADER_PREFIX_HOST, &b64(REPLICA_A))]);
     // Spoofed on a keyed request: stripped, the filter's own named.
     let mut h = chat(THREE_TURNS);
-    h.request.push((HEADER_PREFIX_HOST.to_string(), b64(REPLICA_B)));
+    h.push(HEADER_PREFIX_HOST, &b64(REPLICA_B));
     let (named, h) = serve(&cfg, h, &[(":status", "200")]);
     assert_eq!(named, Some(b64(REPLICA_A)));
-    assert_eq!(h.request.iter().filter(|(k, _)| k == HEADER_PREFIX_HOST).count(), 1);
+    assert_eq!(h.header_count(HEADER_PREFIX_HOST), 1);
     // On a request without a key, of a class without keys, from a trusted peer's partial
     // decision without a key: none is left.
     for (body, extra) in [(&br#"{"stream":true,"messages":[{"role":"user","content":"hi"}]}"#[..], None), (TWO_TURNS, Some(("x-plain", "1")))] {
         let mut h = chat(body);
-        h.request.push((HEADER_PREFIX_HOST.to_string(), b64(REPLICA_B)));
+        h.push(HEADER_PREFIX_HOST, &b64(REPLICA_B));
         if let Some((k, v)) = extra {
-            h.request.push((k.to_string(), v.to_string()));
+            h.push(k, v);
         }
         assert_eq!(serve(&cfg, h, &[]).0, None);
     }
     let mut h = chat(br#"{"stream":true,"messages":[{"role":"user","content":"hi"}]}"#);
     h.source = Some("10.8.0.9:5000".into());
-    h.request.push((HEADER_PREFIX_HOST.to_string(), b64(REPLICA_B)));
+    h.push(HEADER_PREFIX_HOST, &b64(REPLICA_B));
     assert_eq!(serve(&cfg, h, &[]).0, None);
 }
 
