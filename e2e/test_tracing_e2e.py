@@ -9,7 +9,8 @@ span (the filter's class, rule and pool as tags) and its upstream attempt, the s
 (GenAI attributes, class, pool, served_by) with its queue, prefill and decode, and vLLM's own
 `llm_request`, each the child of the one before, every one with a duration; a gRPC Generate
 likewise, its context in the call's metadata. A chat spilled to the batch pool (the interactive
-pool down to critical-only) shows as spilled.
+pool down to critical-only) shows as spilled. And in Istio: real istiod turns the chart's
+Telemetry (the policy's tracing) into the gateway's tracer, whose spans join the same trace.
 
 The local mesh's own Envoy (over the control plane) runs beside it untraced: the policy model
 carries no `tracing` yet (docs/tracing.md, "What is left"), so the traced Envoy runs the static
@@ -30,12 +31,14 @@ import grpc
 import httpx
 import openai
 import pytest
+import yaml
 
 from infermesh import paths
 from infermesh.chart_render import setup_outputs
 from infermesh.launcher import LocalMesh, free_ports, plan_on_free_ports, wait_until
 from infermesh.meshconfig.envoy_bootstrap import bootstrap
 from infermesh.meshconfig.local_mesh import LocalMeshPlan
+from infermesh.meshconfig.tracing import DECISION_TAGS
 from infermesh.settings import TracingSettings
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
@@ -280,3 +283,73 @@ def test_a_spilled_chat_shows_as_spilled(collector, traced):
     assert a["infermesh.routed_pool"] == "interactive" and a["infermesh.spilled"] is True
     edge = one(spans, lambda s: s["service"] == "infermesh-envoy" and s["kind"] == SERVER)
     assert edge["attrs"]["infermesh.pool"] == "interactive", "the filter's decision; Envoy's failover served it elsewhere"
+
+
+# -- Istio: the chart's Telemetry, through real istiod -------------------------------------------
+
+COLLECTOR_HOST = "otel-collector.observability.svc.cluster.local"
+ISTIO_PROVIDER = "infermesh-otel"
+
+
+def test_istiod_gives_the_gateway_the_charts_tracing_and_its_spans_join_the_trace(collector, traced, tmp_path_factory):
+    """The chart's default policy with `tracing` on, rendered with `tracing.istioProvider`
+    naming an `opentelemetry` extensionProvider of istiod's MeshConfig (the collector as a
+    ServiceEntry, as its Service would be): istiod gives the gateway's listener Envoy's
+    OpenTelemetry tracer at the policy's sampling with the filter's decision as tags, and a chat
+    through the gateway is one trace from the gateway's span to the traced sidecar's."""
+    from infermesh.chart_render import Helm
+    from infermesh.istiod_gateway import DEFAULT_POLICY, Form, istiod_binary, on_loopback, pool_service_entries, render, start_gateway
+
+    mesh, _ = traced
+    # After the spill test: the interactive pool back to normal service first.
+    wait_until(lambda: mesh.admin_state("interactive")["level"] == 0, 60, every=0.2, what="the interactive pool's normal service")
+    policy = yaml.safe_load(DEFAULT_POLICY.read_text())
+    policy["tracing"] = {"otlp_endpoint": f"{COLLECTOR_HOST}:4317", "sample_ratio": 1.0}
+    form = Form("tracing", policy, "EnvoyFilter", body_rules=True, native=True)
+    work = tmp_path_factory.mktemp("istiod-tracing")
+    (port,) = free_ports(1)
+    objects = render(Helm.from_tools(setup_outputs("setup-chart-tools.sh")), form, port, work, sets=[f"tracing.istioProvider={ISTIO_PROVIDER}"])
+    (telemetry,) = [o for o in objects if o["kind"] == "Telemetry"]
+    assert telemetry["spec"]["tracing"][0]["providers"] == [{"name": ISTIO_PROVIDER}]
+    collector_port = int(collector.endpoint.rsplit(":", 1)[1])
+    collector_entry = {
+        "apiVersion": "networking.istio.io/v1", "kind": "ServiceEntry",
+        "metadata": {"name": "otel-collector", "namespace": "observability"},
+        "spec": {"hosts": [COLLECTOR_HOST], "location": "MESH_INTERNAL", "resolution": "STATIC",
+                 "ports": [{"name": "grpc-otlp", "number": 4317, "protocol": "GRPC"}],
+                 "endpoints": [{"address": "127.0.0.1", "ports": {"grpc-otlp": collector_port}}]},
+    }
+    config = on_loopback(objects, port) + pool_service_entries(objects, mesh.plan.pools) + [collector_entry]
+    mesh_config = {"extensionProviders": [{"name": ISTIO_PROVIDER, "opentelemetry": {"service": COLLECTOR_HOST, "port": 4317}}]}
+    gw = start_gateway(istiod_binary(), form, objects, config, work, port, mesh=mesh_config)
+    try:
+        dump = gw.config_dump()
+        listeners = [e["active_state"]["listener"] for c in dump["configs"] if c["@type"].endswith("ListenersConfigDump")
+                     for e in c.get("dynamic_listeners", []) if "active_state" in e]
+        (listener,) = [lst for lst in listeners if lst["address"]["socket_address"].get("port_value") == port]
+        (chain,) = listener["filter_chains"]
+        hcm = next(f for f in chain["filters"] if f["name"] == "envoy.filters.network.http_connection_manager")["typed_config"]
+        tracing = hcm["tracing"]
+        assert tracing["provider"]["name"] == "envoy.tracers.opentelemetry", tracing
+        assert tracing["provider"]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == f"outbound|4317||{COLLECTOR_HOST}"
+        assert tracing["random_sampling"]["value"] == 100 and tracing.get("spawn_upstream_span") is True
+        tags = {t["tag"]: t.get("request_header", {}).get("name") for t in tracing.get("custom_tags", [])}
+        assert {k: tags.get(k) for k in DECISION_TAGS} == DECISION_TAGS, tags
+
+        header, trace_id, client_span = traceparent()
+        assert chat(gw.base_url, header)
+
+        def joined():
+            spans = collector.spans(trace_id)
+            gateway = [s for s in spans if s["kind"] == SERVER and s["parentSpanId"] == client_span]
+            sidecar = [s for s in spans if s["service"] == "infermesh-sidecar" and s["kind"] == SERVER]
+            return (spans, gateway, sidecar) if gateway and sidecar else None
+        spans, (edge,), (sidecar,) = wait_until(joined, 20, every=0.2, what=f"trace {trace_id} from the gateway to the sidecar")
+        show(spans)
+        assert edge["service"] != "infermesh-envoy", "the gateway's span, not the traced static Envoy's"
+        assert edge["attrs"]["infermesh.class"] == "interactive" and edge["attrs"]["infermesh.pool"] == "interactive"
+        attempt = one(spans, lambda s: s["kind"] == CLIENT and s["parentSpanId"] == edge["spanId"])
+        assert sidecar["parentSpanId"] == attempt["spanId"], "the gateway's attempt forwarded its own context"
+        assert sidecar["attrs"]["infermesh.served_by"] == "interactive/0"
+    finally:
+        gw.stop()

@@ -198,7 +198,8 @@ def _cmd_policy_render(args: argparse.Namespace) -> int:
             url, sha = f"file://{paths.filter_wasm()}", sha or module_sha256(paths.filter_wasm())
             print(f"infermesh: no --wasm-url: pointing at the local build {url}", file=sys.stderr)
         try:
-            print(render_yaml(p, IstioOptions(wasm_url=url, wasm_sha256=sha or "", namespace=args.namespace)), end="")
+            opts = IstioOptions(wasm_url=url, wasm_sha256=sha or "", namespace=args.namespace, tracing_provider=args.tracing_provider)
+            print(render_yaml(p, opts), end="")
         except IstioConfigError as e:
             return _istio_refused(args.file, e)
         return 0
@@ -289,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     render.add_argument("--wasm-url", help="with `istio`: where proxies fetch the filter (oci://…, https://…)")
     render.add_argument("--wasm-sha256", help="with `istio`: the module's SHA-256 (the image digest for oci://)")
     render.add_argument("--namespace", default="infermesh", help="with `istio`: the pools' namespace (default infermesh)")
+    render.add_argument("--tracing-provider", default="", help="with `istio` and the policy's tracing on: the opentelemetry "
+                        "extensionProvider of Istio's MeshConfig for Envoy's spans (docs/tracing.md)")
     render.set_defaults(func=_cmd_policy_render)
 
     from .content_classes import register as register_classes

@@ -130,15 +130,22 @@ class IstioGateway:
                     p.wait()
 
 
-def start_gateway(istiod_binary: str, form: "Form", objects: list[dict], config: list[dict], run_dir: Path, port: int) -> IstioGateway:
-    """istiod reading `config` (the chart's `objects` as this machine runs them), then Envoy."""
+def start_gateway(istiod_binary: str, form: "Form", objects: list[dict], config: list[dict], run_dir: Path, port: int,
+                  mesh: dict | None = None) -> IstioGateway:
+    """istiod reading `config` (the chart's `objects` as this machine runs them), then Envoy.
+    `mesh`: MeshConfig fields over the harness's defaults, as istiod's `meshConfig` install
+    values (extensionProviders, ...)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     conf = run_dir / "config"
     conf.mkdir()
     (conf / "resources.yaml").write_text(yaml.safe_dump_all(config, sort_keys=False))
     xds_port, debug_port, admin_port = free_ports(3)
+    mesh_args = []
+    if mesh:
+        (run_dir / "mesh.yaml").write_text(yaml.safe_dump(mesh, sort_keys=False))
+        mesh_args = ["--mesh", str(run_dir / "mesh.yaml")]
     istiod = subprocess.Popen(
-        [istiod_binary, "--config", str(conf), "--xds", f"127.0.0.1:{xds_port}", "--debug", f"127.0.0.1:{debug_port}"],
+        [istiod_binary, "--config", str(conf), "--xds", f"127.0.0.1:{xds_port}", "--debug", f"127.0.0.1:{debug_port}", *mesh_args],
         stdout=subprocess.PIPE, stderr=open(run_dir / "istiod.log", "wb"), stdin=subprocess.DEVNULL, text=True,
         preexec_fn=_die_with_parent,
     )
@@ -225,9 +232,10 @@ FORMS = [
 ]
 
 
-def render(helm: Helm, form: Form, port: int, work: Path) -> list[dict]:
+def render(helm: Helm, form: Form, port: int, work: Path, sets: Sequence[str] = ()) -> list[dict]:
     """The chart's objects for `form` (its policy through `infermesh policy render … helm-values`,
-    as a user runs it), with the compiled filter as a local module and the Gateway on `port`."""
+    as a user runs it), with the compiled filter as a local module, the Gateway on `port`, and
+    the chart values `sets` (`KEY=VALUE`)."""
     wasm = paths.filter_wasm()
     values = []
     if form.policy is not None:
@@ -238,7 +246,7 @@ def render(helm: Helm, form: Form, port: int, work: Path) -> list[dict]:
         assert r.returncode == 0, r.stderr
         (work / "values.json").write_text(r.stdout)
         values.append(work / "values.json")
-    sets = [f"filter.url=file://{wasm}", f"filter.sha256={hashlib.sha256(wasm.read_bytes()).hexdigest()}", f"ingress.port={port}"]
+    sets = [f"filter.url=file://{wasm}", f"filter.sha256={hashlib.sha256(wasm.read_bytes()).hexdigest()}", f"ingress.port={port}", *sets]
     objects = helm.template(values=values, sets=sets).objects
     kinds = {o["kind"] for o in objects}
     assert form.kind in kinds and kinds >= {"Gateway", "VirtualService", "DestinationRule"}, kinds

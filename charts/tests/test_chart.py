@@ -102,7 +102,7 @@ def istio_options(values: dict) -> istio.IstioOptions:
         ingress=ingress["enabled"], hosts=tuple(ingress["hosts"]), ingress_port=ingress["port"], ingress_selector=ingress["selector"],
         tls_credential_name=ingress["tlsCredentialName"],
         image_pull_policy=f["imagePullPolicy"], image_pull_secret=f["imagePullSecret"], traffic_policy=values["trafficPolicy"],
-        retry_budget=values["retryBudget"],
+        retry_budget=values["retryBudget"], tracing_provider=values["tracing"]["istioProvider"],
     )
 
 

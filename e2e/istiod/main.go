@@ -6,7 +6,7 @@
 // `pilot-discovery discovery --registries= --configDir=DIR` would be the obvious tool, but at the
 // pinned commit it panics at start (docs/kubernetes.md, "Proven with istiod").
 //
-//	istiod-harness --config DIR --xds 127.0.0.1:0 [--debug 127.0.0.1:0]
+//	istiod-harness --config DIR --xds 127.0.0.1:0 [--debug 127.0.0.1:0] [--mesh MESHCONFIG.yaml]
 //
 // Prints "xds ADDR" (and "debug ADDR") on stdout once pushes are ready; stops on SIGTERM/SIGINT.
 package main
@@ -102,18 +102,32 @@ func readConfigs(r *runner, dir string) string {
 }
 
 // meshConfig: Istio's defaults, less what needs Istio's own Envoy build or its agent
-// (auto mTLS wants the agent's certificates; default telemetry providers add Istio-only filters).
-func meshConfig() *meshconfig.MeshConfig {
+// (auto mTLS wants the agent's certificates; default telemetry providers add Istio-only filters),
+// then the fields of the optional MeshConfig YAML file (as istiod's `meshConfig` install values:
+// extensionProviders, ...) over them.
+func meshConfig(r *runner, file string) *meshconfig.MeshConfig {
 	m := mesh.DefaultMeshConfig()
 	m.EnableAutoMtls = wrapperspb.Bool(false)
 	m.DefaultProviders = &meshconfig.MeshConfig_DefaultProviders{}
-	return m
+	if file == "" {
+		return m
+	}
+	b, err := os.ReadFile(file)
+	if err != nil {
+		r.Fatal(err)
+	}
+	applied, err := mesh.ApplyMeshConfig(string(b), m)
+	if err != nil {
+		r.Fatalf("mesh config %s: %v", file, err)
+	}
+	return applied
 }
 
 func main() {
 	dir := flag.String("config", "", "directory of rendered YAML (Istio resources; other kinds are skipped)")
 	xdsAddr := flag.String("xds", "127.0.0.1:15010", "plaintext ADS listen address")
 	debugAddr := flag.String("debug", "", "optional: listen address of istiod's /debug endpoints")
+	meshFile := flag.String("mesh", "", "optional: MeshConfig YAML over the harness's defaults (extensionProviders, ...)")
 	flag.Parse()
 	r := &runner{}
 	// Istio logs to stdout by default; stdout carries only the ready lines here.
@@ -136,7 +150,7 @@ func main() {
 	}
 	server := xds.NewFakeDiscoveryServer(r, xds.FakeOptions{
 		ConfigString:    configs,
-		MeshConfig:      meshConfig(),
+		MeshConfig:      meshConfig(r, *meshFile),
 		ListenerBuilder: func() (net.Listener, error) { return xdsListener, nil },
 	})
 	fmt.Printf("xds %s\n", xdsListener.Addr())

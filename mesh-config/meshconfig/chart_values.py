@@ -125,6 +125,11 @@ def chart_schema(policy: dict) -> dict:
                 "port": port,
                 "tlsCredentialName": {"type": "string"},
             }, required=("enabled",)),
+            "tracing": obj({
+                "istioProvider": {"type": "string", "pattern": r"^$|^[A-Za-z0-9][-A-Za-z0-9_.]{0,252}$",
+                                  "description": "the `opentelemetry` extensionProvider of Istio's MeshConfig that Envoy's spans go to; "
+                                                 "required when the policy's tracing is on"},
+            }, required=("istioProvider",)),
             "trafficPolicy": obj({
                 "connectionPool": obj({
                     "tcp": obj({"maxConnections": positive, "connectTimeout": duration}),

@@ -54,8 +54,9 @@ from .policy import Policy
 
 CHART = paths.REPO_ROOT / "charts" / "infermesh"
 ISTIO_TEMPLATES = ("service.yaml", "destinationrule.yaml", "virtualservice.yaml", "filter.yaml", "pools-envoyfilter.yaml")
-"""The chart's templates of the Istio objects (gateway.yaml too with `ingress`); the others hold
-the pods and their security, which a release installs with the chart."""
+"""The chart's templates of the Istio objects (gateway.yaml too with `ingress`, telemetry.yaml with
+the policy's tracing: Helm refuses to show a template that renders nothing); the others hold the
+pods and their security, which a release installs with the chart."""
 HELM_LABELS = ("app.kubernetes.io/version", "app.kubernetes.io/managed-by", "helm.sh/chart")
 """Labels that say a Helm release manages the object: not true of objects applied without one."""
 HELM_ENV = "INFERMESH_HELM"
@@ -117,6 +118,10 @@ class IstioOptions:
     """Give the pool clusters the plain-Envoy retry budget (the chart's values `retryBudget`): a
     CLUSTER patch with MERGE_AND_REPLACE_LIST, which Istio's EnvoyFilter API has only in recent
     versions (the pinned 1.31 line has it); off, the clusters keep the fixed `maxRetries`."""
+    tracing_provider: str = ""
+    """With the policy's tracing on: the `opentelemetry` extensionProvider of Istio's MeshConfig
+    that the filter's proxies send Envoy's spans to (the chart's values `tracing.istioProvider`;
+    required then: docs/tracing.md, "Istio")."""
 
 
 def check(policy: Policy, opts: IstioOptions) -> None:
@@ -146,6 +151,7 @@ def chart_values(policy: Policy, opts: IstioOptions, raw_policy: dict | None = N
                     "selector": dict(opts.ingress_selector), "tlsCredentialName": opts.tls_credential_name},
         "trafficPolicy": opts.traffic_policy,
         "retryBudget": opts.retry_budget,
+        "tracing": {"istioProvider": opts.tracing_provider},
     }
 
 
@@ -176,7 +182,7 @@ def resources(policy: Policy, opts: IstioOptions, *, raw_policy: dict | None = N
     Gateway and the edge AuthorizationPolicy), without Helm's bookkeeping labels."""
     check(policy, opts)
     values = chart_values(policy, opts, raw_policy)
-    templates = ISTIO_TEMPLATES + (("gateway.yaml",) if opts.ingress else ())
+    templates = ISTIO_TEMPLATES + (("gateway.yaml",) if opts.ingress else ()) + (("telemetry.yaml",) if policy.tracing.on else ())
     args = [helm or helm_binary(), "template", opts.name, str(CHART), "--namespace", opts.namespace, "--values", "-"]
     for t in templates:
         args += ["--show-only", f"templates/{t}"]

@@ -64,6 +64,7 @@ from .envoy_resources import (
     wasm_filter_config,
 )
 from .policy import Policy
+from .tracing import DECISION_TAGS
 
 
 class IstioConfigError(ValueError):
@@ -243,6 +244,9 @@ class IstioParts:
         spill          per pool with `when_degraded.spill_to`
         spill_cluster  the aggregate cluster of a spilling pool's front, without its name and its
                        two clusters (the pool's, then the spill pool's; release-dependent)
+        tracing        the Telemetry resource's tracing, less its provider (the cluster's MeshConfig
+                       names the collector): the policy's sampling and the filter's decision as
+                       tags; empty with the policy's tracing off
     """
 
     default_pool: str
@@ -258,6 +262,7 @@ class IstioParts:
     retry_budget: dict
     spill: dict[str, SpillPart]
     spill_cluster: dict
+    tracing: dict
 
     def values(self) -> dict:
         """The chart's `generated` values (without the policy digest)."""
@@ -274,6 +279,7 @@ class IstioParts:
             "retryBudget": copy.deepcopy(self.retry_budget),
             "spill": {pool: s.values() for pool, s in self.spill.items()},
             "spillCluster": copy.deepcopy(self.spill_cluster),
+            "tracing": copy.deepcopy(self.tracing),
         }
 
 
@@ -480,7 +486,19 @@ def parts(policy: Policy) -> IstioParts:
         retry_budget=circuit_breakers(POOL_LIMITS)["thresholds"][0]["retry_budget"],
         spill=spill_parts(policy),
         spill_cluster=copy.deepcopy(SPILL_CLUSTER),
+        tracing=telemetry_tracing(policy),
     )
+
+
+def telemetry_tracing(policy: Policy) -> dict:
+    """The tracing of the chart's Telemetry resource, as plain Envoy's HCM has it
+    (tracing.hcm_tracing): the policy's sampling, the filter's decision as tags read from the
+    request headers it wrote. istiod sets spawn_upstream_span itself on a gateway (a `router`
+    proxy), so a hedge's attempts show as plain Envoy's do. Empty with the policy's tracing off."""
+    if not policy.tracing.on:
+        return {}
+    return {"randomSamplingPercentage": policy.tracing.sample_ratio * 100,
+            "customTags": {tag: {"header": {"name": header}} for tag, header in DECISION_TAGS.items()}}
 
 
 def chart_parts(policy: Policy) -> dict:

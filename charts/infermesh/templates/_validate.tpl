@@ -25,6 +25,9 @@ refuses a policy that `infermesh policy check` refuses). Run by "infermesh.gener
 {{- if not $root.Values.filter.url -}}
 {{- fail "filter.url: required: where proxies fetch the Wasm filter (oci://…, https://…, file://…); see docs/kubernetes.md" -}}
 {{- end -}}
+{{- if and .generated.tracing (not $root.Values.tracing.istioProvider) -}}
+{{- fail "tracing.istioProvider: required with the policy's tracing on: the name of the `opentelemetry` extensionProvider in Istio's MeshConfig that points at the policy's collector (docs/tracing.md, \"Istio\")" -}}
+{{- end -}}
 {{- if not $root.Values.filter.sha256 -}}
 {{- fail "filter.sha256: required: the SHA-256 of the Wasm module (the image digest for oci://); see docs/kubernetes.md" -}}
 {{- end -}}
