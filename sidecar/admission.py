@@ -132,6 +132,8 @@ class EngineSlots:
     started before it without a first token yet (time to first token / (ahead + 1))."""
     prefilling: int = 0
     """Requests started without a first token yet."""
+    in_prefill: list[Waiter] = field(default_factory=list)
+    """Those requests, oldest start first."""
     busy: int = 0
     waiting: list[Waiter] = field(default_factory=list)
     refused_waiting: int = 0
@@ -175,6 +177,8 @@ class EngineSlots:
         if w.prefilling:
             w.prefilling = False
             self.prefilling -= 1
+            if w in self.in_prefill:
+                self.in_prefill.remove(w)
 
     def missed_first_token(self, seconds: float, target_s: float, started_at: float | None = None, ahead: int = 0) -> None:
         """A request given up at its target without a first token, `seconds` after its start in
@@ -249,21 +253,43 @@ class EngineSlots:
     def check_arrival(self, target_s: float, priority: int, what: str) -> None:
         """Raise TargetUnreachable when a request arriving now cannot get its first token within
         `target_s`; its Retry-After is how far over the target the estimate is (at least 1 s)."""
+        refusal = self.arrival_refusal(target_s, priority, what)
+        if refusal is not None:
+            self.refuse(refusal)
+
+    def refuse(self, refusal: TargetUnreachable) -> None:
+        """Refuse a request for time: raise `refusal`, and mark this engine as refusing (its pool
+        is pressed: `AdmissionControl.pressed_since`)."""
+        self.refused_at = self.clock()
+        raise refusal
+
+    def slow_alone(self, target_s: float) -> bool:
+        """Whether vLLM is too slow for `target_s` even for a request started alone now (a
+        stalled or starved engine), not because of a line here or a burst of starts (those refuse
+        as they should: the fallback would take the same cores): its measured time to one prefill
+        is past the admitted share, or a request it is prefilling now has gone past the share
+        without a first token (what the running average learns only once that token comes)."""
+        share = ADMIT_SHARE * target_s
+        lone = self.prefill_s if self.prefill_s is not None else self.first_token_s
+        if lone is not None and lone > share:
+            return True
+        return bool(self.in_prefill) and self.clock() - (self.in_prefill[0].started_at or 0.0) > share
+
+    def arrival_refusal(self, target_s: float, priority: int, what: str) -> TargetUnreachable | None:
+        """The refusal a request arriving now gets (None: it is admitted), without marking anything."""
         if self.busy == 0 and not self.waiting:
-            return  # an idle engine starts it at once; this is also how a high first-token estimate is measured again
+            return None  # an idle engine starts it at once; this is also how a high first-token estimate is measured again
         position = self.ahead(priority)
         wait = self.start_wait(position)
         if wait is None:  # nothing finished yet to measure a wait by: a line no longer than the cap
             if position < self.cap:
-                return
-            self.refused_at = self.clock()
-            raise TargetUnreachable(f"{what}: all {self.cap} engine slots are busy, {position} requests wait, and no request "
-                                    f"has finished yet to measure a wait by", code="ttft_target_unreachable", retry_after_s=1)
+                return None
+            return TargetUnreachable(f"{what}: all {self.cap} engine slots are busy, {position} requests wait, and no request "
+                                     f"has finished yet to measure a wait by", code="ttft_target_unreachable", retry_after_s=1)
         first = self.first_token_estimate(wait)
         if wait + first <= ADMIT_SHARE * target_s:
-            return
-        self.refused_at = self.clock()
-        raise TargetUnreachable(
+            return None
+        return TargetUnreachable(
             f"{what}: {position} requests wait for {self.busy}/{self.cap} busy engine slots"
             + (f", started at {self.rate:.2f}/s" if self.rate else "")
             + f", and vLLM takes {first * 1000:.0f} ms to a first token: its first token would come in about "
@@ -302,6 +328,7 @@ class EngineSlots:
         w.started_at = self.clock()
         w.ahead, w.prefilling = self.prefilling, True
         self.prefilling += 1
+        self.in_prefill.append(w)
         if w.future is not None and not w.future.done():
             w.future.set_result(None)
 
@@ -370,6 +397,11 @@ class EngineSlots:
                 "engine_waiting": self.engine_waiting}
 
 
+SLOW_PRIMARY = "primary_too_slow"
+"""The degraded reason of a request the primary could not serve within its class's TTFT target
+and the ladder's fallback could (x-infermesh-degraded-reason; docs/breakers.md)."""
+
+
 class AdmissionControl:
     def __init__(self, config: SidecarConfig, ladder: Ladder, breakers: list[Breaker], policy: PoolPolicy,
                  clock: Callable[[], float] = time.monotonic):
@@ -421,7 +453,17 @@ class AdmissionControl:
             raise Unavailable(f"model {target.config.name} is not loaded on this pool", retry_after_s=5)
         policy = cfg.classes[cls]
         slots = self.slots[target.config.name]
-        slots.check_arrival(policy.ttft_target_s, policy.priority, f"pool {cfg.pool} cannot serve this {cls} request in time")
+        refusal = slots.arrival_refusal(policy.ttft_target_s, policy.priority, f"pool {cfg.pool} cannot serve this {cls} request in time")
+        if refusal is not None and target is self.ladder.primary and slots.slow_alone(policy.ttft_target_s):
+            # The primary itself is too slow for this target (stalled, starved), before a breaker
+            # has judged it: the ladder's loaded fallback serves the request, degraded, when it
+            # can in time; only then is the request refused.
+            fallback = self.ladder.serving(degrade=True)
+            fb_slots = self.slots[fallback.config.name]
+            if fallback is not target and fb_slots.arrival_refusal(policy.ttft_target_s, policy.priority, "") is None:
+                target, degraded, reason, slots, refusal = fallback, True, SLOW_PRIMARY, fb_slots, None
+        if refusal is not None:
+            slots.refuse(refusal)
         for b in self.breakers:
             if b.state is State.HALF_OPEN:
                 b.trial_admitted()

@@ -6,6 +6,7 @@ the same through a pool's lifecycles on fake engines (conftest.py)."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -508,3 +509,83 @@ def test_a_first_token_measures_the_prefill_per_request_it_waited_for(fake_clock
     c = s.enqueue(0, 1.0)
     s.finish(c, ran=True)
     assert s.prefilling == 0, "one that ends without a first token is no longer prefilling"
+
+
+# -- a primary too slow for the target: the loaded fallback serves, degraded -----------------------
+
+LADDER = CFG | {"models": [{"name": "big", "path": "/x", "max_num_seqs": 4}, {"name": "small", "path": "/y", "max_num_seqs": 4}]}
+
+
+def stalled(slots: EngineSlots, prefill_s: float) -> None:
+    """One request in flight on `slots`, the engine measured at `prefill_s` per prefill (and a
+    request held twice that)."""
+    slots.holders = [slots.enqueue(0, 1.0)]
+    slots.measured_hold(2 * prefill_s)
+    slots.prefill_s = slots.first_token_s = prefill_s
+
+
+def test_a_primary_too_slow_alone_hands_the_request_to_the_loaded_fallback_degraded(make_pool, fake_clock):
+    """The slow-sidecar drill's case (its primary SIGSTOPped most of every 2 s): one prefill takes
+    1.7 s, past 75 % of the 1 s target even alone. Before a breaker has judged the pool, a chat
+    arriving then is served by the fallback, degraded and saying why, not refused; and since
+    nothing was refused, the primary's stalled streams are not cut (the pool is not pressed)."""
+    pool = make_pool(LADDER, fake_clock)
+    big, small = pool.admission.slots["big"], pool.admission.slots["small"]
+    stalled(big, 1.7)
+    adm = pool.admission.admit(req())
+    assert adm.engine.config.name == "small" and adm.degraded and adm.degraded_reason == "primary_too_slow"
+    assert small.busy == 1 and big.busy == 1
+    assert big.refused_at == -math.inf and not pool.admission.pressed_since(0.0)
+    # The fallback's own time bounds it too: once it cannot either, the request is refused.
+    stalled(small, 1.7)
+    with pytest.raises(TargetUnreachable):
+        pool.admission.admit(req())
+    assert pool.admission.pressed_since(0.0)
+
+
+def test_a_line_or_a_burst_at_the_primary_is_refused_not_handed_to_the_fallback(make_pool, fake_clock):
+    """Overload is not slowness: with a prefill in 150 ms, a request past its share because of
+    the line (or of the prefills started before it) is refused as before; the fallback would take
+    the same cores."""
+    pool = make_pool(LADDER, fake_clock)
+    big = pool.admission.slots["big"]
+    stalled(big, 0.15)
+    for _ in range(4):
+        big.enqueue(0, 10.0)  # four in line behind the one running: seconds to a slot
+    with pytest.raises(TargetUnreachable):
+        pool.admission.admit(req())
+    assert pool.admission.slots["small"].busy == 0 and big.refused_at == fake_clock.t
+
+
+def test_without_a_loaded_fallback_a_slow_primary_refuses(make_pool, fake_clock):
+    pool = make_pool(LADDER, fake_clock, loaded=False)
+    pool.ladder.primary.start()  # the fallback is not a standby here
+    stalled(pool.admission.slots["big"], 1.7)
+    with pytest.raises(TargetUnreachable):
+        pool.admission.admit(req())
+
+
+def test_a_request_naming_the_fallback_or_a_degraded_pool_is_not_moved_again(make_pool, fake_clock):
+    pool = make_pool(LADDER, fake_clock)
+    stalled(pool.admission.slots["small"], 1.7)
+    with pytest.raises(TargetUnreachable):
+        pool.admission.admit(GenerationRequest(model="small", prompt="abcd", request_class="interactive"))
+
+
+def test_a_prefill_stuck_past_the_share_now_is_slowness_before_the_average_learns_it(make_pool, fake_clock):
+    """The drill's timeline (clean-clone run on 482d744): the average still says 0.49 s a prefill
+    (one stalled first token of 1.84 s in it), a chat has been prefilling for 1.16 s without a
+    first token, and the next one would be refused (2 x 0.49 s is past 75 % of 1 s): the engine is
+    stalled now, so the fallback serves it. A prefill still within the share is not slowness."""
+    pool = make_pool(LADDER, fake_clock)
+    big = pool.admission.slots["big"]
+    stalled(big, 0.49)
+    fake_clock.t = 0.5
+    with pytest.raises(TargetUnreachable):
+        pool.admission.admit(req())
+    fake_clock.t = 1.16
+    adm = pool.admission.admit(req())
+    assert adm.engine.config.name == "small" and adm.degraded_reason == "primary_too_slow"
+    (w,) = big.in_prefill
+    big.first_token(w, 1.2, 1.0)
+    assert big.in_prefill == [] and big.prefilling == 0
