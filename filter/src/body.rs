@@ -28,6 +28,9 @@ pub struct BodyFacts {
     pub message_count: u64,
     /// Characters of prompt text: every message's text content plus `prompt` (completions).
     pub prompt_chars: u64,
+    /// The same text's UTF-8 bytes (decoded; a token id counts one), which the token budget's
+    /// reservation counts: a byte-level BPE spends at most one token per byte.
+    pub prompt_bytes: u64,
     /// `priority`, as a string (an integer priority is rendered in decimal).
     pub priority: Option<String>,
     pub service_tier: Option<String>,
@@ -94,7 +97,7 @@ impl Scanner<'_> {
         self.i += 1;
         let mut facts = BodyFacts::default();
         // Duplicate keys: the last one wins, as in every JSON library the sidecar might use.
-        let (mut message_chars, mut prompt_chars) = (0u64, 0u64);
+        let (mut message_text, mut prompt_text) = (Text::default(), Text::default());
         let mut first = true;
         while let Some(k) = self.key(&mut first)? {
             // The decoded key borrows the body, not the scanner, so the arms can go on scanning.
@@ -110,18 +113,19 @@ impl Scanner<'_> {
                     if let Some(k) = key.as_deref_mut() {
                         k.restart(false);
                     }
-                    (facts.message_count, message_chars) = self.messages(key.as_deref_mut())?
+                    (facts.message_count, message_text) = self.messages(key.as_deref_mut())?
                 }
                 b"prompt" => {
                     if let Some(k) = key.as_deref_mut() {
                         k.restart(true);
                     }
-                    prompt_chars = self.text(0, key.as_deref_mut(), true)?
+                    prompt_text = self.text(0, key.as_deref_mut(), true)?
                 }
                 _ => self.skip_value()?,
             }
         }
-        facts.prompt_chars = message_chars.saturating_add(prompt_chars);
+        let text = message_text.add(prompt_text);
+        (facts.prompt_chars, facts.prompt_bytes) = (text.chars, text.bytes);
         if self.peek().is_some() {
             return self.bad("trailing characters");
         }
@@ -147,17 +151,17 @@ impl Scanner<'_> {
         })
     }
 
-    /// `messages`: (count, characters of text content). Non-array values count as no messages.
-    fn messages(&mut self, mut key: Option<&mut PrefixWalk>) -> Res<(u64, u64)> {
+    /// `messages`: (count, their text content). Non-array values count as no messages.
+    fn messages(&mut self, mut key: Option<&mut PrefixWalk>) -> Res<(u64, Text)> {
         let t = self.any()?;
         if !matches!(t, Tok::Array) {
             self.skip_composite(&t)?;
-            return Ok((0, 0));
+            return Ok((0, Text::default()));
         }
         self.i += 1;
-        let (mut count, mut chars, mut first) = (0u64, 0u64, true);
+        let (mut count, mut chars, mut first) = (0u64, Text::default(), true);
         while self.element(&mut first)? {
-            chars = chars.saturating_add(self.message(key.as_deref_mut())?);
+            chars = chars.add(self.message(key.as_deref_mut())?);
             count += 1;
             if let Some(k) = key.as_deref_mut() {
                 k.end_message();
@@ -166,15 +170,15 @@ impl Scanner<'_> {
         Ok((count, chars))
     }
 
-    /// One message: the characters of its `content` (the last one, if repeated).
-    fn message(&mut self, mut key: Option<&mut PrefixWalk>) -> Res<u64> {
+    /// One message: the text of its `content` (the last one, if repeated).
+    fn message(&mut self, mut key: Option<&mut PrefixWalk>) -> Res<Text> {
         let t = self.any()?;
         if !matches!(t, Tok::Object) {
             self.skip_composite(&t)?;
-            return Ok(0);
+            return Ok(Text::default());
         }
         self.i += 1;
-        let (mut chars, mut first) = (0u64, true);
+        let (mut chars, mut first) = (Text::default(), true);
         while let Some(k) = self.key(&mut first)? {
             if self.key_is(&k, b"content")? {
                 chars = self.text(0, key.as_deref_mut(), false)?;
@@ -198,7 +202,7 @@ impl Scanner<'_> {
     /// parts (`{"type": "text", "text": "..."}`); token-id arrays count one per token. Other
     /// shapes: 0. Recursion: depth 0 → 1 only. `key` gets the text (`prompt`: a completion's
     /// prompt, keyed only as one string).
-    fn text(&mut self, depth: u8, mut key: Option<&mut PrefixWalk>, prompt: bool) -> Res<u64> {
+    fn text(&mut self, depth: u8, mut key: Option<&mut PrefixWalk>, prompt: bool) -> Res<Text> {
         Ok(match self.any()? {
             Tok::Str(s) => {
                 match key {
@@ -206,26 +210,26 @@ impl Scanner<'_> {
                     Some(k) if !prompt => k.text(&self.span(s.start, s.end)),
                     _ => {}
                 }
-                s.chars
+                Text { chars: s.chars, bytes: s.bytes }
             }
-            Tok::Int(_) | Tok::Neg(_) => u64::from(depth > 0),
-            Tok::Float | Tok::Bool(_) | Tok::Null => 0,
+            Tok::Int(_) | Tok::Neg(_) => Text { chars: u64::from(depth > 0), bytes: u64::from(depth > 0) },
+            Tok::Float | Tok::Bool(_) | Tok::Null => Text::default(),
             Tok::Array if depth == 0 => {
                 self.i += 1;
-                let (mut total, mut first) = (0u64, true);
+                let (mut total, mut first) = (Text::default(), true);
                 while self.element(&mut first)? {
-                    total = total.saturating_add(self.text(1, key.as_deref_mut(), prompt)?);
+                    total = total.add(self.text(1, key.as_deref_mut(), prompt)?);
                 }
                 total
             }
             Tok::Array => {
                 self.skip_value()?;
-                0
+                Text::default()
             }
             Tok::Object => {
                 // A content part: only its "text" counts (the last one, if repeated).
                 self.i += 1;
-                let (mut total, mut first) = (0u64, true);
+                let (mut total, mut first) = (Text::default(), true);
                 while let Some(k) = self.key(&mut first)? {
                     if self.key_is(&k, b"text")? {
                         let t = self.any()?;
@@ -234,9 +238,9 @@ impl Scanner<'_> {
                             if let Some(k) = key.as_deref_mut().filter(|_| !prompt) {
                                 k.text(&self.span(s.start, s.end));
                             }
-                            s.chars
+                            Text { chars: s.chars, bytes: s.bytes }
                         } else {
-                            0
+                            Text::default()
                         };
                     } else {
                         self.skip_value()?;
@@ -245,6 +249,19 @@ impl Scanner<'_> {
                 total
             }
         })
+    }
+}
+
+/// Prompt text measured: characters and UTF-8 bytes.
+#[derive(Debug, Clone, Copy, Default)]
+struct Text {
+    chars: u64,
+    bytes: u64,
+}
+
+impl Text {
+    fn add(self, o: Text) -> Text {
+        Text { chars: self.chars.saturating_add(o.chars), bytes: self.bytes.saturating_add(o.bytes) }
     }
 }
 
@@ -277,6 +294,7 @@ mod tests {
         assert_eq!(f.service_tier.as_deref(), Some("default"));
         assert_eq!(f.message_count, 2);
         assert_eq!(f.prompt_chars, 8 + 5);
+        assert_eq!(f.prompt_bytes, 8 + 6, "é (an escape) is two UTF-8 bytes");
     }
 
     #[test]

@@ -86,6 +86,24 @@ pub const LIMITS: [Limit; 12] = [
     PREFIX_LOAD_CEILING_PCT,
 ];
 
+/// Token budgets (token_budget.rs, docs/token-budgets.md). A window's limit and a budget's
+/// concurrent streams have no default (absent: not limited; `default` 0 says so); the weights of
+/// `count` default to 1 each; a class's `default_max_tokens` is its pool's (the policy writes it),
+/// 256 (the sidecar's own default) when absent.
+pub const BUDGET_PER_MINUTE: Limit = Limit { field: "budgets.classes.*.*.tokens.per_minute", min: 1, max: 1_000_000_000_000, default: 0 };
+pub const BUDGET_PER_HOUR: Limit = Limit { field: "budgets.classes.*.*.tokens.per_hour", min: 1, max: 1_000_000_000_000, default: 0 };
+pub const BUDGET_PER_DAY: Limit = Limit { field: "budgets.classes.*.*.tokens.per_day", min: 1, max: 1_000_000_000_000, default: 0 };
+pub const BUDGET_COUNT_INPUT: Limit = Limit { field: "budgets.classes.*.*.count.input", min: 0, max: 1000, default: 1 };
+pub const BUDGET_COUNT_OUTPUT: Limit = Limit { field: "budgets.classes.*.*.count.output", min: 0, max: 1000, default: 1 };
+pub const BUDGET_CONCURRENT_STREAMS: Limit = Limit { field: "budgets.classes.*.*.concurrent_streams", min: 1, max: 1_000_000, default: 0 };
+pub const BUDGET_DEFAULT_MAX_TOKENS: Limit =
+    Limit { field: "budgets.classes.*.default_max_tokens", min: 1, max: u32::MAX as u64, default: 256 };
+/// Every bounded field of `budgets` (`*.*`: a class's `default` or one of its `tenants`).
+pub const BUDGET_LIMITS: [Limit; 7] =
+    [BUDGET_PER_MINUTE, BUDGET_PER_HOUR, BUDGET_PER_DAY, BUDGET_COUNT_INPUT, BUDGET_COUNT_OUTPUT, BUDGET_CONCURRENT_STREAMS, BUDGET_DEFAULT_MAX_TOKENS];
+/// Tenants one class's budget may list (each is a metric label).
+pub const BUDGET_MAX_TENANTS: usize = 256;
+
 pub const DEFAULT_PROBE_INTERVAL_MS: u64 = PROBE_INTERVAL_MS.default;
 pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = PROBE_TIMEOUT_MS.default;
 pub const DEFAULT_STALE_AFTER_MS: u64 = STALE_AFTER_MS.default;
@@ -118,6 +136,75 @@ struct RawConfig {
     /// The content classifier's model (content_classifier.rs), for rules' `content` conditions.
     #[serde(default)]
     content_model: Option<crate::content_classifier::RawContentModel>,
+    /// Token budgets per class and tenant (token_budget.rs).
+    #[serde(default)]
+    budgets: Option<RawBudgets>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBudgets {
+    tenant: RawTenant,
+    classes: BTreeMap<String, RawClassBudgets>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTenant {
+    #[serde(default)]
+    header: Option<String>,
+    #[serde(default)]
+    api_key_hash: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawClassBudgets {
+    #[serde(default = "default_budget_max_tokens")]
+    default_max_tokens: u64,
+    #[serde(default)]
+    default: Option<RawBudget>,
+    #[serde(default)]
+    tenants: BTreeMap<String, RawBudget>,
+}
+
+fn default_budget_max_tokens() -> u64 {
+    BUDGET_DEFAULT_MAX_TOKENS.default
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBudget {
+    #[serde(default)]
+    tokens: Option<RawTokens>,
+    #[serde(default)]
+    count: Option<RawCount>,
+    #[serde(default)]
+    concurrent_streams: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTokens {
+    #[serde(default)]
+    per_minute: Option<u64>,
+    #[serde(default)]
+    per_hour: Option<u64>,
+    #[serde(default)]
+    per_day: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCount {
+    #[serde(default = "default_count_weight")]
+    input: u64,
+    #[serde(default = "default_count_weight")]
+    output: u64,
+}
+
+fn default_count_weight() -> u64 {
+    BUDGET_COUNT_INPUT.default
 }
 
 #[derive(Debug, Deserialize)]
@@ -484,6 +571,8 @@ pub struct FilterConfig {
     pub prefix_bound: BTreeMap<String, crate::prefix_table::LoadBound>,
     /// The content classifier's model, when a rule has a `content` condition.
     pub content_model: Option<crate::content_classifier::ContentModel>,
+    /// Token budgets per class and tenant; `None`: no request is budgeted.
+    pub budgets: Option<crate::token_budget::Budgets>,
 }
 
 /// One pool's `when_degraded` as the filter applies it (shedding; spill is Envoy's health-check
@@ -736,6 +825,10 @@ impl FilterConfig {
             Some(d) => Some(degraded_routing(d, &classes)?),
             None => None,
         };
+        let budgets = match raw.budgets {
+            Some(b) => Some(budgets(b, &classes)?),
+            None => None,
+        };
         Ok(FilterConfig {
             classes: classes.into_iter().map(|(c, (pool, _))| (c, pool)).collect(),
             default_class: raw.default_class,
@@ -749,6 +842,7 @@ impl FilterConfig {
             prefix,
             prefix_bound,
             content_model,
+            budgets,
         })
     }
 
@@ -929,6 +1023,91 @@ fn degraded_routing(d: RawDegraded, classes: &BTreeMap<String, (String, String)>
     Ok(DegradedRouting { pools, probe_interval_ms: interval, probe_timeout_ms: timeout, retry_after_s })
 }
 
+fn budgets(b: RawBudgets, classes: &BTreeMap<String, (String, String)>) -> Result<crate::token_budget::Budgets, ConfigError> {
+    use crate::token_budget::{Budgets, ClassBudgets, TenantSource};
+    let tenant = match (b.tenant.header, b.tenant.api_key_hash) {
+        (Some(h), None) => {
+            check_header_name("budgets.tenant.header", &h)?;
+            TenantSource::Header(h)
+        }
+        (None, Some(true)) => TenantSource::ApiKeyHash,
+        (None, Some(false)) => return Err(err("budgets.tenant.api_key_hash", "must be true (or name a `header`)")),
+        _ => return Err(err("budgets.tenant", "exactly one of `header`, `api_key_hash` is required")),
+    };
+    if b.classes.is_empty() {
+        return Err(err("budgets.classes", "a budget needs at least one class"));
+    }
+    let mut out = BTreeMap::new();
+    for (name, c) in b.classes {
+        let at = format!("budgets.classes.{name}");
+        if !classes.contains_key(&name) {
+            return Err(err(at, format!("unknown class `{name}`")));
+        }
+        let default_max_tokens = bounded(&format!("{at}.default_max_tokens"), c.default_max_tokens, BUDGET_DEFAULT_MAX_TOKENS)?;
+        if c.default.is_none() && c.tenants.is_empty() {
+            return Err(err(at, "a class's budget needs a `default`, `tenants` or both"));
+        }
+        if c.tenants.len() > BUDGET_MAX_TENANTS {
+            return Err(err(format!("{at}.tenants"), format!("at most {BUDGET_MAX_TENANTS} tenants per class")));
+        }
+        let default = match c.default {
+            Some(d) => Some(budget(&format!("{at}.default"), d)?),
+            None => None,
+        };
+        let mut tenants = BTreeMap::new();
+        for (t, raw) in c.tenants {
+            let f = format!("{at}.tenants.{t}");
+            check_token(&f, &t)?;
+            if t == crate::token_budget::OTHER {
+                return Err(err(f, "`other` is reserved (tenants not listed are counted as `other`)"));
+            }
+            if tenant == TenantSource::ApiKeyHash && !(t.len() == 16 && t.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))) {
+                return Err(err(f, "with `api_key_hash` a tenant is named by the first 16 hex digits (lower case) of its key's SHA-256"));
+            }
+            let parsed = budget(&f, raw)?;
+            tenants.insert(t, parsed);
+        }
+        out.insert(name, ClassBudgets { default_max_tokens, default, tenants });
+    }
+    Ok(Budgets { tenant, classes: out })
+}
+
+fn budget(at: &str, b: RawBudget) -> Result<crate::token_budget::Budget, ConfigError> {
+    if b.tokens.is_none() && b.concurrent_streams.is_none() {
+        return Err(err(at, "a budget needs `tokens`, `concurrent_streams` or both"));
+    }
+    let mut tokens = [None; 3];
+    if let Some(t) = b.tokens {
+        if t.per_minute.is_none() && t.per_hour.is_none() && t.per_day.is_none() {
+            return Err(err(format!("{at}.tokens"), "`tokens` needs `per_minute`, `per_hour`, `per_day` or several"));
+        }
+        for (slot, (v, l)) in tokens.iter_mut().zip([(t.per_minute, BUDGET_PER_MINUTE), (t.per_hour, BUDGET_PER_HOUR), (t.per_day, BUDGET_PER_DAY)]) {
+            if let Some(v) = v {
+                *slot = Some(bounded(&format!("{at}.tokens.{}", l.field.rsplit('.').next().unwrap_or("")), v, l)?);
+            }
+        }
+    }
+    let count = b.count.unwrap_or(RawCount { input: BUDGET_COUNT_INPUT.default, output: BUDGET_COUNT_OUTPUT.default });
+    let input_weight = bounded(&format!("{at}.count.input"), count.input, BUDGET_COUNT_INPUT)?;
+    let output_weight = bounded(&format!("{at}.count.output"), count.output, BUDGET_COUNT_OUTPUT)?;
+    if input_weight == 0 && output_weight == 0 {
+        return Err(err(format!("{at}.count"), "`input` and `output` cannot both be 0 (nothing would be charged)"));
+    }
+    let concurrent_streams = match b.concurrent_streams {
+        Some(n) => Some(bounded(&format!("{at}.concurrent_streams"), n, BUDGET_CONCURRENT_STREAMS)?),
+        None => None,
+    };
+    Ok(crate::token_budget::Budget { tokens, input_weight, output_weight, concurrent_streams })
+}
+
+/// A header name the filter reads: lower case, visible ASCII (what Envoy's map holds).
+fn check_header_name(field: &str, name: &str) -> Result<(), ConfigError> {
+    if name.is_empty() || name.bytes().any(|b| b.is_ascii_uppercase() || b <= b' ' || b >= 0x7f) {
+        return Err(err(field, "header names must be non-empty lower-case tokens"));
+    }
+    Ok(())
+}
+
 /// Class, pool and rule names end up in header values and metric names: keep them plain.
 fn check_token(field: &str, value: &str) -> Result<(), ConfigError> {
     token_error(value).map_err(|message| err(field, message))
@@ -985,6 +1164,39 @@ pub fn limits() -> serde_json::Value {
         "reserved_rule_names": [crate::classify::DEFAULT_RULE, crate::classify::TRUSTED_RULE],
         "regex": {"size_limit": REGEX_SIZE_LIMIT, "total_size_limit": REGEX_TOTAL_SIZE_LIMIT, "nest_limit": REGEX_NEST_LIMIT},
         "probe_cluster_max_len": PROBE_CLUSTER_MAX_LEN,
+        "budgets": budget_limits(),
+    })
+}
+
+/// `limits()`' budgets part: each bounded field, the defaults `parse` fills in, the tenant bounds.
+fn budget_limits() -> serde_json::Value {
+    use serde_json::json;
+    let minimal = r#"{"version": 1, "default_class": "c", "classes": {"c": {"pool": "p"}},
+        "budgets": {"tenant": {"header": "x-tenant"}, "classes": {"c": {"default": {"concurrent_streams": 1}}}}}"#;
+    let c = FilterConfig::parse(minimal.as_bytes()).expect("the minimal budgets config parses");
+    let b = c.budgets.as_ref().expect("it has budgets");
+    let class = &b.classes["c"];
+    let d = class.default.as_ref().expect("a default budget");
+    let bounded: serde_json::Map<String, serde_json::Value> =
+        BUDGET_LIMITS.iter().map(|l| (l.field.to_string(), json!({"min": l.min, "max": l.max, "default": l.default}))).collect();
+    let none = |v: Option<u64>| v.unwrap_or(0);
+    json!({
+        "bounded": bounded,
+        "defaults": {
+            "budgets.classes.*.*.tokens.per_minute": none(d.tokens[0]),
+            "budgets.classes.*.*.tokens.per_hour": none(d.tokens[1]),
+            "budgets.classes.*.*.tokens.per_day": none(d.tokens[2]),
+            "budgets.classes.*.*.count.input": d.input_weight,
+            "budgets.classes.*.*.count.output": d.output_weight,
+            "budgets.classes.*.*.concurrent_streams": BUDGET_CONCURRENT_STREAMS.default,
+            "budgets.classes.*.default_max_tokens": class.default_max_tokens,
+            "budgets.classes.*.tenants": class.tenants.len(),
+        },
+        "max_tenants": BUDGET_MAX_TENANTS,
+        "windows": crate::token_budget::WINDOWS.iter().map(|(n, ms)| json!([n, ms])).collect::<Vec<_>>(),
+        "message_overhead": crate::token_budget::MESSAGE_OVERHEAD,
+        "tenant_slots": crate::token_budget::TENANT_SLOTS,
+        "reserved_tenant": crate::token_budget::OTHER,
     })
 }
 
@@ -1244,6 +1456,132 @@ mod tests {
         assert_eq!(e.field, "content_model.dim");
         let e = parse_err(&with(Some(&model.replace("\"code\",\"chat\"", "\"code\",\"code\"")), r#"{"label": "code"}"#));
         assert_eq!(e.field, "content_model.labels[1]");
+    }
+
+    fn with_budgets(b: &str) -> String {
+        GOOD.replace("\"emit_objective_header\": true", &format!("\"emit_objective_header\": true, \"budgets\": {b}"))
+    }
+
+    #[test]
+    fn budgets_are_parsed_with_their_defaults() {
+        use crate::token_budget::TenantSource;
+        let c = FilterConfig::parse(
+            with_budgets(
+                r#"{"tenant": {"header": "x-tenant-id"}, "classes": {"batch": {"default_max_tokens": 512,
+                "default": {"tokens": {"per_minute": 200000, "per_day": 20000000}, "count": {"input": 0, "output": 1}, "concurrent_streams": 16},
+                "tenants": {"team-a": {"tokens": {"per_minute": 50000}, "concurrent_streams": 4}}}}}"#,
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let b = c.budgets.unwrap();
+        assert_eq!(b.tenant, TenantSource::Header("x-tenant-id".into()));
+        let batch = &b.classes["batch"];
+        assert_eq!(batch.default_max_tokens, 512);
+        let d = batch.default.as_ref().unwrap();
+        assert_eq!((d.tokens, d.input_weight, d.output_weight, d.concurrent_streams), ([Some(200000), None, Some(20000000)], 0, 1, Some(16)));
+        let a = &batch.tenants["team-a"];
+        assert_eq!((a.tokens, a.input_weight, a.output_weight, a.concurrent_streams), ([Some(50000), None, None], 1, 1, Some(4)), "no inheritance: count defaults to 1/1");
+        let c = FilterConfig::parse(
+            with_budgets(r#"{"tenant": {"api_key_hash": true}, "classes": {"interactive": {"tenants": {"8879f6a4ae35c420": {"concurrent_streams": 1}}}}}"#).as_bytes(),
+        )
+        .unwrap();
+        let b = c.budgets.unwrap();
+        assert_eq!(b.tenant, TenantSource::ApiKeyHash);
+        assert_eq!(b.classes["interactive"].default_max_tokens, BUDGET_DEFAULT_MAX_TOKENS.default);
+        assert!(b.classes["interactive"].default.is_none());
+        assert!(FilterConfig::parse(GOOD.as_bytes()).unwrap().budgets.is_none());
+    }
+
+    #[test]
+    fn budgets_are_checked_naming_the_field() {
+        let bad = |b: &str| {
+            let e = parse_err(&with_budgets(b));
+            (e.field, e.message)
+        };
+        let class = |c: &str| format!(r#"{{"tenant": {{"header": "x-t"}}, "classes": {{"batch": {c}}}}}"#);
+        let cases: Vec<(String, &str, &str)> = vec![
+            (r#"{"tenant": {}, "classes": {"batch": {"default": {"concurrent_streams": 1}}}}"#.into(), "budgets.tenant", "exactly one of `header`, `api_key_hash` is required"),
+            (r#"{"tenant": {"header": "x-t", "api_key_hash": true}, "classes": {}}"#.into(), "budgets.tenant", "exactly one of"),
+            (r#"{"tenant": {"api_key_hash": false}, "classes": {}}"#.into(), "budgets.tenant.api_key_hash", "must be true"),
+            (r#"{"tenant": {"header": "X-Tenant"}, "classes": {}}"#.into(), "budgets.tenant.header", "header names must be"),
+            (r#"{"tenant": {"header": "x-t"}, "classes": {}}"#.into(), "budgets.classes", "a budget needs at least one class"),
+            (r#"{"tenant": {"header": "x-t"}, "classes": {"nope": {"default": {"concurrent_streams": 1}}}}"#.into(), "budgets.classes.nope", "unknown class `nope`"),
+            (class("{}"), "budgets.classes.batch", "a class's budget needs a `default`, `tenants` or both"),
+            (class(r#"{"default": {}}"#), "budgets.classes.batch.default", "a budget needs `tokens`, `concurrent_streams` or both"),
+            (class(r#"{"default": {"tokens": {}}}"#), "budgets.classes.batch.default.tokens", "`tokens` needs"),
+            (class(r#"{"default": {"tokens": {"per_hour": 0}}}"#), "budgets.classes.batch.default.tokens.per_hour", "must be between 1 and 1000000000000"),
+            (class(r#"{"default": {"concurrent_streams": 1, "count": {"input": 0, "output": 0}}}"#), "budgets.classes.batch.default.count", "`input` and `output` cannot both be 0"),
+            (class(r#"{"default": {"concurrent_streams": 1, "count": {"output": 1001}}}"#), "budgets.classes.batch.default.count.output", "must be between 0 and 1000"),
+            (class(r#"{"default": {"concurrent_streams": 0}}"#), "budgets.classes.batch.default.concurrent_streams", "must be between 1 and 1000000"),
+            (class(r#"{"default_max_tokens": 0, "default": {"concurrent_streams": 1}}"#), "budgets.classes.batch.default_max_tokens", "must be between 1 and 4294967295"),
+            (class(r#"{"tenants": {"team a": {"concurrent_streams": 1}}}"#), "budgets.classes.batch.tenants.team a", "`team a` must be 1-64 characters"),
+            (class(r#"{"tenants": {"other": {"concurrent_streams": 1}}}"#), "budgets.classes.batch.tenants.other", "`other` is reserved"),
+            (class(r#"{"tenants": {"t": {"tokens": {"per_day": 0}}}}"#), "budgets.classes.batch.tenants.t.tokens.per_day", "must be between"),
+            (
+                r#"{"tenant": {"api_key_hash": true}, "classes": {"batch": {"tenants": {"team-a": {"concurrent_streams": 1}}}}}"#.into(),
+                "budgets.classes.batch.tenants.team-a",
+                "with `api_key_hash` a tenant is named by",
+            ),
+        ];
+        for (b, field, message) in cases {
+            let (f, m) = bad(&b);
+            assert_eq!(f, field, "{b}: {m}");
+            assert!(m.starts_with(message), "{b}: {m}");
+        }
+        let many: Vec<String> = (0..=BUDGET_MAX_TENANTS).map(|i| format!(r#""t{i}": {{"concurrent_streams": 1}}"#)).collect();
+        let (f, m) = bad(&class(&format!(r#"{{"tenants": {{{}}}}}"#, many.join(","))));
+        assert_eq!((f.as_str(), m.as_str()), ("budgets.classes.batch.tenants", "at most 256 tenants per class"));
+        // serde's refusals name the field too.
+        let e = parse_err(&with_budgets(&class(r#"{"default": {"tokens": {"per_second": 5}}}"#)));
+        assert!(e.message.contains("per_second") && e.message.ends_with("(at `budgets.classes.batch.default.tokens.per_second`)"), "{e}");
+        let e = parse_err(&with_budgets(r#"{"tenant": {"header": "x-t"}, "on_unavailable": "open", "classes": {}}"#));
+        assert!(e.message.contains("unknown field `on_unavailable`"), "global mode is not built: {e}");
+    }
+
+    #[test]
+    fn every_budget_limit_is_what_parse_enforces() {
+        let config = |field: &str, v: u64| -> (String, String) {
+            let mut doc: serde_json::Value = serde_json::from_str(GOOD).unwrap();
+            doc["budgets"] = serde_json::json!({"tenant": {"header": "x-t"}, "classes": {"batch": {"tenants": {"t": {"concurrent_streams": 1}}}}});
+            let named = match field.strip_prefix("budgets.classes.*.*.") {
+                Some(sub) => {
+                    let t = &mut doc["budgets"]["classes"]["batch"]["tenants"]["t"];
+                    match sub.split_once('.') {
+                        Some((parent, k)) => t[parent][k] = serde_json::json!(v),
+                        None => t[sub] = serde_json::json!(v),
+                    }
+                    format!("budgets.classes.batch.tenants.t.{sub}")
+                }
+                None => {
+                    let key = field.rsplit('.').next().unwrap();
+                    doc["budgets"]["classes"]["batch"][key] = serde_json::json!(v);
+                    format!("budgets.classes.batch.{key}")
+                }
+            };
+            (doc.to_string(), named)
+        };
+        for l in BUDGET_LIMITS {
+            for v in [l.min.max(1), l.max] {
+                let (c, _) = config(l.field, v);
+                assert!(FilterConfig::parse(c.as_bytes()).is_ok(), "{} = {v}", l.field);
+            }
+            let mut past = vec![l.max + 1];
+            if l.min > 0 {
+                past.push(l.min - 1);
+            }
+            for v in past {
+                let (c, named) = config(l.field, v);
+                let e = parse_err(&c);
+                assert_eq!(e.field, named, "{} = {v}", l.field);
+                assert!(e.message.starts_with(&format!("must be between {} and {}", l.min, l.max)), "{e}");
+            }
+        }
+        let limits = limits();
+        assert_eq!(limits["budgets"]["bounded"].as_object().unwrap().len(), BUDGET_LIMITS.len());
+        for l in BUDGET_LIMITS {
+            assert_eq!(limits["budgets"]["defaults"][l.field], l.default, "{}: the parser fills in its declared default", l.field);
+        }
     }
 
     #[test]

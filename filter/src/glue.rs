@@ -15,6 +15,7 @@ use crate::config::FilterConfig;
 use crate::header_map;
 use crate::request_flow::{probe_answer, strip_internal_headers, Accepted, CounterId, Host, Next, StateError, Stream, STATE_PATH};
 use crate::shared_pool_table::{SharedData, SharedTable};
+use crate::token_budget::SharedBudgets;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
@@ -157,7 +158,11 @@ impl RootContext for Root {
                 let _ = hostcalls::set_tick_period(tick.map_or(Duration::ZERO, |d| Duration::from_millis(d.probe_interval_ms)));
                 // Its own counters and pool state table (a new config may change a pool's level
                 // rule: start from the shared records again).
-                self.accepted = Some(Rc::new(Config::new(filter, &mut |n| counter(n))));
+                // Budgets: one shared-data record per (class, tenant), written with CAS by every worker.
+                let budgets = |m: &crate::request_flow::Metrics| -> crate::request_flow::BudgetTable {
+                    Box::new(SharedBudgets { data: ProxyWasmSharedData, error: m.budget_errors })
+                };
+                self.accepted = Some(Rc::new(Config::new(filter, &mut |n| counter(n), &budgets)));
                 true
             }
             Err(e) => {
@@ -266,6 +271,9 @@ impl Host for WasmHost {
     fn remove_response_header(&mut self, name: &str) {
         let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, None);
     }
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+    }
     fn count(&mut self, id: CounterId) {
         count(id)
     }
@@ -307,6 +315,17 @@ fn action(next: Next) -> Action {
 }
 
 impl Context for Request {}
+
+/// The stream's end: proxy-wasm deletes the context (`proxy_on_delete`, which Envoy calls for
+/// every stream, a reset one or a vanished client's included; `on_done` and `on_log` are not
+/// exported, scripts/strip-wasm-exports.py), and the SDK drops it: the budget's stream slot goes back.
+impl Drop for Request {
+    fn drop(&mut self) {
+        if let Some(cfg) = &self.accepted {
+            self.stream.on_stream_end(&**cfg);
+        }
+    }
+}
 
 /// The request callbacks and the response headers (the pool level); the build drops the exports
 /// of the other response-side ones (and `on_log`, `on_done`) so Envoy skips those calls; one used

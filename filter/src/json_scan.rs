@@ -33,6 +33,8 @@ pub(crate) struct Str {
     pub(crate) start: usize,
     pub(crate) end: usize,
     pub(crate) chars: u64,
+    /// UTF-8 bytes of the decoded string (a read string's; 0 for a skipped one).
+    pub(crate) bytes: u64,
     pub(crate) escaped: bool,
 }
 
@@ -312,14 +314,15 @@ impl<'a> Scanner<'a> {
 
     /// After a backslash. `read`: as serde_json parsing a `&str` (a `\u` surrogate must be a
     /// leading one followed by `\u` and a trailing one); else as it skips a string (any four
-    /// hex digits). Every escape of a read string is one character.
-    fn escape(&mut self, read: bool) -> Res<()> {
+    /// hex digits). Every escape of a read string is one character, of the UTF-8 bytes returned
+    /// (a skipped string's: 1).
+    fn escape(&mut self, read: bool) -> Res<u64> {
         match self.next_byte() {
-            Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => Ok(()),
+            Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => Ok(1),
             Some(b'u') => {
                 let n = self.hex4()?;
                 if !read {
-                    return Ok(());
+                    return Ok(1);
                 }
                 match n {
                     0xDC00..=0xDFFF => self.bad("lone trailing surrogate"),
@@ -328,11 +331,13 @@ impl<'a> Scanner<'a> {
                             return self.bad("lone leading surrogate");
                         }
                         match self.hex4()? {
-                            0xDC00..=0xDFFF => Ok(()),
+                            0xDC00..=0xDFFF => Ok(4),
                             _ => self.bad("lone leading surrogate"),
                         }
                     }
-                    _ => Ok(()),
+                    0..=0x7F => Ok(1),
+                    0x80..=0x7FF => Ok(2),
+                    _ => Ok(3),
                 }
             }
             _ => self.bad("invalid escape"),
@@ -342,7 +347,7 @@ impl<'a> Scanner<'a> {
     /// A string that is read, after its opening quote: validated, its characters counted.
     fn string(&mut self) -> Res<Str> {
         let start = self.pos();
-        let (mut chars, mut escaped) = (0u64, false);
+        let (mut chars, mut saved, mut escaped) = (0u64, 0u64, false);
         // Where the run of plain bytes began: invalid UTF-8 is refused there, as in one piece.
         let mut run_start = start;
         loop {
@@ -372,9 +377,15 @@ impl<'a> Scanner<'a> {
                 return self.bad("unterminated string");
             }
             match self.next_byte() {
-                Some(b'"') => return Ok(Str { start, end: self.pos() - 1, chars, escaped }),
+                Some(b'"') => {
+                    let end = self.pos() - 1;
+                    return Ok(Str { start, end, chars, bytes: ((end - start) as u64).saturating_sub(saved), escaped });
+                }
                 Some(b'\\') => {
-                    self.escape(true)?;
+                    // The escape as written (2 or 6 or 12 bytes) is that many fewer decoded.
+                    let at = self.pos();
+                    let width = self.escape(true)?;
+                    saved = saved.saturating_add(((self.pos() - at + 1) as u64).saturating_sub(width));
                     chars = chars.saturating_add(1);
                     escaped = true;
                     run_start = self.pos();
@@ -429,7 +440,7 @@ impl<'a> Scanner<'a> {
                 return self.bad("unterminated string");
             }
             match self.next_byte() {
-                Some(b'"') => return Ok(Str { start, end: self.pos() - 1, chars: 0, escaped }),
+                Some(b'"') => return Ok(Str { start, end: self.pos() - 1, chars: 0, bytes: 0, escaped }),
                 Some(b'\\') => {
                     self.escape(false)?;
                     escaped = true;

@@ -3,7 +3,8 @@
 //! The decision logic lives in [`config`], [`classify`] and [`body`] (whose JSON `json_scan`
 //! reads, the bytes of its strings `string_run`) and makes no host calls, so it is tested natively
 //! with `cargo test`; so is the request flow, [`request_flow`], written once against a `Host`
-//! trait, and both runtimes' pool state tables ([`shared_pool_table`], [`process_pool_table`]).
+//! trait, and both runtimes' pool state tables ([`shared_pool_table`], [`process_pool_table`]) and
+//! token budget tables ([`token_budget`]).
 //! The runtimes' bindings: `glue.rs` (proxy-wasm, compiled for wasm32 only) and
 //! `dynamic_module.rs` (feature `dynamic-module`: the same filter as a native Envoy dynamic module).
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
@@ -21,6 +22,7 @@ pub mod process_pool_table;
 pub mod request_flow;
 pub mod shared_pool_table;
 pub mod stats;
+pub mod token_budget;
 mod json_scan;
 mod string_run;
 

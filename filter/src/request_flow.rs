@@ -7,6 +7,11 @@
 //! proxy-wasm shared data in `shared_pool_table.rs`, one process-wide table in
 //! `dynamic_module.rs`). The decisions themselves are the pure core's (`classify`, `body`,
 //! `pool_state`), so this flow is tested natively.
+//!
+//! Token budgets (token_budget.rs) are applied in `write`, once the class is known and the
+//! degraded-mode verdict let the request through: a budgeted generation request is reserved on
+//! the table of `Accepted::budgets`, or refused with 429 before any upstream work; the response
+//! gives the tokens back on an upstream error, and the stream's end its concurrent slot.
 
 use crate::body::{parse_body, parse_body_segments, parse_body_keyed, parse_body_segments_keyed, BodyFacts};
 use crate::classify::{classify, Body, Content, Decision, Fallback, Outcome, RequestView, DEFAULT_RULE};
@@ -15,7 +20,8 @@ use crate::pool_state::{costs_generation, ReadingError, Verdict, HEADER_POOL_LEV
 use crate::prefix_key::{PrefixKeys, PrefixSpec, HEADER_PREFIX_KEY, MAX_KEYS};
 use crate::prefix_table::{base64_decode, base64_encode, Pick, PrefixTable, ProcessSharedData, HEADER_LOAD, HEADER_PREFIX_HOST};
 use crate::shared_pool_table::SharedData;
-use crate::stats::TrustedCounters;
+use crate::stats::{BudgetCounters, TrustedCounters};
+use crate::token_budget::{self, Ask, BudgetStore, Held, Refusal, TenantSource};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -80,6 +86,9 @@ pub trait Host {
     /// parses with a replacement character in it).
     fn response_header(&self, name: &str) -> Option<String>;
     fn remove_response_header(&mut self, name: &str);
+    /// Set a response header (a served request's remaining budget). Both runtimes' hosts and the
+    /// tests' implement it; the default (a host that cannot) drops the header.
+    fn set_response_header(&mut self, _name: &str, _value: &str) {}
     fn count(&mut self, id: CounterId);
     /// Milliseconds since the Unix epoch.
     fn now_ms(&self) -> u64 {
@@ -126,6 +135,10 @@ pub struct Metrics {
     pub prefix_named: CounterId,
     pub prefix_over_bound: CounterId,
     pub prefix_learned: CounterId,
+    /// Budget refusals by (class, tenant label: the policy's names and `other`), and the budget
+    /// table's errors (only with budgets).
+    pub budget_refusals: BudgetCounters<CounterId>,
+    pub budget_errors: CounterId,
 }
 
 impl Metrics {
@@ -161,25 +174,52 @@ impl Metrics {
             prefix_learned = define("infermesh.prefix_learned_total");
         }
         let stripped = define("infermesh.stripped_requests_total");
-        Metrics { decisions, fallbacks, stripped, trusted, shed, state_errors, prefix_named, prefix_over_bound, prefix_learned }
+        let budget_refusals = BudgetCounters::define(config, define);
+        let budget_errors = if config.budgets.is_some() { define("infermesh.budget_errors_total") } else { None };
+        Metrics {
+            decisions,
+            fallbacks,
+            stripped,
+            trusted,
+            shed,
+            state_errors,
+            prefix_named,
+            prefix_over_bound,
+            prefix_learned,
+            budget_refusals,
+            budget_errors,
+        }
     }
 }
 
+/// The token budget table a runtime gives a config (made once its counters are defined).
+pub type BudgetTable = Box<dyn BudgetStore + Send + Sync>;
+
 /// One accepted configuration, with its counters, the pool state table and the prefix table kept
-/// for it (`D`: proxy-wasm shared data, or one map for the native module's process); every
-/// stream of it reads the same.
+/// for it (`D`: proxy-wasm shared data, or one map for the native module's process), and the
+/// runtime's token budget table; every stream of it reads the same.
 pub struct Accepted<P, D = ProcessSharedData> {
     pub filter: FilterConfig,
     pub metrics: Metrics,
     pub pools: P,
     pub prefixes: PrefixTable<D>,
+    pub budgets: BudgetTable,
 }
 
 impl<P: PoolStates, D: SharedData> Accepted<P, D> {
-    pub fn new(filter: FilterConfig, define: &mut dyn FnMut(&str) -> CounterId) -> Accepted<P, D> {
+    pub fn new(filter: FilterConfig, define: &mut dyn FnMut(&str) -> CounterId, budgets: &dyn Fn(&Metrics) -> BudgetTable) -> Accepted<P, D> {
         let metrics = Metrics::for_config(&filter, P::ERRORS, define);
         let pools = P::for_config(filter.degraded.as_ref(), &metrics);
-        Accepted { filter, metrics, pools, prefixes: PrefixTable::default() }
+        let budgets = budgets(&metrics);
+        // The records of the listed tenants and `other` exist before traffic reserves on them.
+        if let Some(b) = &filter.budgets {
+            for (class, c) in &b.classes {
+                for t in c.tenants.keys().map(String::as_str).chain(std::iter::once(token_budget::OTHER)) {
+                    budgets.ensure(&token_budget::record_key(class, t));
+                }
+            }
+        }
+        Accepted { filter, metrics, pools, prefixes: PrefixTable::default(), budgets }
     }
 }
 
@@ -291,29 +331,61 @@ pub struct Stream {
     /// A keyed request's pool and the replica the filter named for it (None: none), for the
     /// response to learn from.
     prefix: Option<(String, Option<String>)>,
+    /// The budget's tenant header came from a trusted source (it is read; from anyone else it
+    /// was removed, and the request is the tenant `other`).
+    tenant_trusted: bool,
+    /// What the request asks for, from its body (when the body was read).
+    ask: Option<Ask>,
+    /// The budget reservation, until the response and the stream's end settle it.
+    held: Option<Held>,
 }
 
 impl Default for Stream {
     fn default() -> Stream {
-        Stream { waiting_for_body: false, replace_headers: false, generates: false, read_level: true, key_spec: None, keys: None, prefix: None }
+        Stream {
+            waiting_for_body: false,
+            replace_headers: false,
+            generates: false,
+            read_level: true,
+            key_spec: None,
+            keys: None,
+            prefix: None,
+            tenant_trusted: false,
+            ask: None,
+            held: None,
+        }
     }
 }
 
-/// The prefix form of a decided class, when its request can have a key: a generation request
-/// with a JSON body that the filter may buffer (the same conditions as a body rule's).
-fn key_spec_on_headers(config: &FilterConfig, class: &str, headers: &[(&[u8], &[u8])], generates: bool, end_of_stream: bool) -> Option<PrefixSpec> {
-    let spec = *config.prefix.get(class)?;
+/// Whether a decided request's body can be read for its class's prefix key or token budget: a
+/// generation request with a JSON body that the filter may buffer (the same conditions as a
+/// body rule's).
+fn body_readable(config: &FilterConfig, headers: &[(&[u8], &[u8])], generates: bool, end_of_stream: bool) -> bool {
     let view = View(headers);
     let fits = match view.get("content-length").map(|v| v.trim().parse::<usize>()) {
         Some(Ok(n)) => n > 0 && n <= config.max_body_bytes,
         _ => true,
     };
-    (generates && !end_of_stream && is_json(view.get("content-type")) && fits).then_some(spec)
+    generates && !end_of_stream && is_json(view.get("content-type")) && fits
+}
+
+/// The prefix form of a decided class, when its request can have a key.
+fn key_spec_on_headers(config: &FilterConfig, class: &str, headers: &[(&[u8], &[u8])], generates: bool, end_of_stream: bool) -> Option<PrefixSpec> {
+    let spec = *config.prefix.get(class)?;
+    body_readable(config, headers, generates, end_of_stream).then_some(spec)
+}
+
+/// Whether a decided request's class is budgeted and its body can be read for the reservation.
+fn budget_reads_body(config: &FilterConfig, class: &str, headers: &[(&[u8], &[u8])], generates: bool, end_of_stream: bool) -> bool {
+    config.budgets.as_ref().map_or(false, |b| b.classes.contains_key(class)) && body_readable(config, headers, generates, end_of_stream)
 }
 
 impl Stream {
     pub fn on_request_headers<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H, end_of_stream: bool) -> Next {
         let config = &cfg.filter;
+        if let Some(name) = config.budgets.as_ref().and_then(|b| b.tenant_header()) {
+            self.guard_tenant_header(config, host, name);
+        }
         // One snapshot for the common case: no client-sent x-infermesh-* header.
         let clean = {
             let headers = host.request_headers();
@@ -332,10 +404,15 @@ impl Stream {
         };
         match head {
             (Outcome::Decided(d), generates, _) => {
-                let spec = key_spec_on_headers(config, d.class, &host.request_headers(), generates, end_of_stream);
-                if spec.is_some() {
-                    // Decided, but its class keys the prefix: decide again on the body (the same
-                    // decision: the rule that matched looks at no body), with the key.
+                let (spec, budget) = {
+                    let headers = host.request_headers();
+                    let spec = key_spec_on_headers(config, d.class, &headers, generates, end_of_stream);
+                    (spec, spec.is_none() && budget_reads_body(config, d.class, &headers, generates, end_of_stream))
+                };
+                if spec.is_some() || budget {
+                    // Decided, but its class keys the prefix or is budgeted: decide again on the
+                    // body (the same decision: the rule that matched looks at no body), with the
+                    // key and what the request asks for.
                     self.key_spec = spec;
                     self.waiting_for_body = true;
                     self.generates = generates;
@@ -349,6 +426,19 @@ impl Stream {
                 self.generates = generates;
                 Next::Wait
             }
+        }
+    }
+
+    /// The budget's tenant header is believed only from a trusted source: from anyone else it is
+    /// removed (the request is then the tenant `other`), whatever class it turns out to be.
+    fn guard_tenant_header<H: Host>(&mut self, config: &FilterConfig, host: &mut H, name: &str) {
+        let present = host.request_headers().iter().any(|(k, _)| *k == name.as_bytes());
+        if !present {
+            return;
+        }
+        self.tenant_trusted = source_is_trusted(config, host);
+        if !self.tenant_trusted {
+            host.remove_request_header(name.as_bytes());
         }
     }
 
@@ -409,6 +499,7 @@ impl Stream {
     /// reading of another pool (one that sheds nothing, or the failover pool that served a
     /// spilled request) is dropped, not counted as `unknown_pool` (a probe's still is).
     pub fn on_response_headers<H: Host, P: PoolStates, D: SharedData>(&mut self, cfg: &Accepted<P, D>, host: &mut H) {
+        self.settle_on_response(cfg, host);
         self.learn_prefix(cfg, host);
         let value = match &cfg.filter.degraded {
             Some(_) if self.read_level => host.response_header(HEADER_POOL_LEVEL),
@@ -420,6 +511,84 @@ impl Stream {
                 Ok(()) | Err(StateError::UnknownPool) => {}
                 Err(e) => host.count(cfg.metrics.state_errors[e as usize]),
             }
+        }
+    }
+
+    /// The stream is over (completed, reset, its client gone: Envoy destroys the filter in every
+    /// case): the reservation's concurrent-stream slot goes back. Its tokens stay charged unless
+    /// the response was an error (`settle_on_response`): the reservation bounds what was used.
+    pub fn on_stream_end<P, D>(&mut self, cfg: &Accepted<P, D>) {
+        if let Some(held) = self.held.take() {
+            token_budget::release_stream(&*cfg.budgets, &held);
+        }
+    }
+
+    /// A budgeted request's response: an error (4xx/5xx, before any token: the upstream's or
+    /// Envoy's own, e.g. no healthy upstream) gives the tokens back; a served one tells the
+    /// client what remains of its tightest window.
+    fn settle_on_response<H: Host, P, D>(&mut self, cfg: &Accepted<P, D>, host: &mut H) {
+        let held = match &mut self.held {
+            Some(h) => h,
+            None => return,
+        };
+        let status = host.response_header(":status").and_then(|s| s.trim().parse::<u32>().ok()).unwrap_or(0);
+        // An unreadable status keeps the tokens charged (an over-charge, never an overshoot).
+        if status >= 400 {
+            token_budget::release_tokens(&*cfg.budgets, held);
+            return;
+        }
+        if let Some(q) = held.admission.quota {
+            for (name, value) in token_budget::quota_headers(&q).iter() {
+                host.set_response_header(name, value);
+            }
+        }
+    }
+
+    /// Reserve a budgeted request's tokens and stream slot; `Err`: refused, with the tenant's
+    /// label. A request its class's budgets do not limit (no budget for the class, an unlisted
+    /// tenant without a default) passes.
+    fn reserve<'c, H: Host, P, D>(&mut self, cfg: &'c Accepted<P, D>, host: &mut H, class: &str) -> Result<(), (&'c str, Refusal)> {
+        let budgets = match &cfg.filter.budgets {
+            Some(b) => b,
+            None => return Ok(()),
+        };
+        let cb = match budgets.classes.get(class) {
+            Some(c) => c,
+            None => return Ok(()),
+        };
+        let tenant = {
+            let headers = host.request_headers();
+            let view = View(&headers);
+            match &budgets.tenant {
+                TenantSource::Header(h) if self.tenant_trusted => view.get(h).map(str::to_string),
+                TenantSource::Header(_) => None,
+                TenantSource::ApiKeyHash => {
+                    let raw = |n: &str| headers.iter().find(|(k, _)| *k == n.as_bytes()).map(|(_, v)| *v);
+                    token_budget::api_key_tenant(raw("authorization"), raw("x-api-key"))
+                }
+            }
+        };
+        let charged = token_budget::charged(cb, tenant.as_deref());
+        let budget = match charged.budget {
+            Some(b) => b,
+            None => return Ok(()),
+        };
+        let ask = match self.ask {
+            Some(a) => a,
+            None => {
+                // The body was not read: its length (declared, or what arrived) stands for the prompt.
+                let declared = View(&host.request_headers()).get("content-length").and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+                Ask::unread(declared.max(host.request_body_size() as u64))
+            }
+        };
+        let cost = ask.cost(budget, cb.default_max_tokens);
+        let key = token_budget::record_key(class, &charged.record);
+        match token_budget::reserve(&*cfg.budgets, &key, budget, cost, host.now_ms()) {
+            Ok(held) => {
+                self.held = Some(held);
+                Ok(())
+            }
+            Err(r) => Err((charged.label, r)),
         }
     }
 
@@ -506,6 +675,7 @@ impl Stream {
             Ok(parsed) => parsed,
             Err(why) => return self.decide_now(cfg, host, Body::Unavailable(why), generates),
         };
+        self.ask = Some(Ask::from_facts(&facts));
         let d = match self.classify_now(cfg, host, Body::Parsed(&facts, Content::NotYet)) {
             Some(d) => d,
             None => return Next::Continue,
@@ -560,6 +730,14 @@ impl Stream {
                     shed(dr, host, d.class);
                     return Next::Answered;
                 }
+            }
+        }
+        if generates {
+            if let Err((tenant, refusal)) = self.reserve(cfg, host, d.class) {
+                count_decision(m, host, d);
+                host.count(m.budget_refusals.get(d.class, tenant).flatten());
+                refuse_over_budget(host, d.class, tenant, &refusal);
+                return Next::Answered;
             }
         }
         let headers = [(HEADER_CLASS, d.class), (HEADER_POOL, d.pool), (HEADER_RULE, d.rule), (HEADER_OBJECTIVE, d.objective)];
@@ -622,6 +800,18 @@ fn shed<H: Host>(dr: &DegradedRouting, host: &mut H, class: &str) {
     let retry = dr.retry_after_s.to_string();
     let headers = [("retry-after", retry.as_str()), ("content-type", "application/json"), ("x-infermesh-shed-by", "mesh")];
     host.send_response(429, &headers, shed_body(class).as_bytes());
+}
+
+/// Refuse a request over its budget at the edge: 429, Retry-After (seconds to the refusing
+/// window's reset), OpenAI's rate-limit headers and an OpenAI error body.
+fn refuse_over_budget<H: Host>(host: &mut H, class: &str, tenant: &str, r: &Refusal) {
+    let retry = r.retry_after_s().to_string();
+    let quota = r.quota.map(|q| token_budget::quota_headers(&q));
+    let mut headers: Vec<(&str, &str)> = vec![("retry-after", retry.as_str()), ("content-type", "application/json"), ("x-infermesh-shed-by", "budget")];
+    if let Some(q) = &quota {
+        headers.extend(q.iter().map(|(n, v)| (*n, v.as_str())));
+    }
+    host.send_response(429, &headers, r.body(class, tenant).as_bytes());
 }
 
 /// The state endpoint of a sidecar's serving port (sidecar/state_api.py), which the probe asks.

@@ -99,6 +99,55 @@ impl<T: Copy> TrustedCounters<T> {
     }
 }
 
+/// The counter of a budget refusal.
+pub fn budget_metric_name(class: &str, tenant: &str) -> String {
+    format!("infermesh.budget_refusals_total.class.{class}.tenant.{tenant}")
+}
+
+/// Budget refusals by (class, tenant): each budgeted class with each tenant its budget lists and
+/// `other` (every tenant it does not list, and a request with no tenant it may believe), defined
+/// when the config is accepted; a tenant label is never taken from a request.
+#[derive(Debug, Default)]
+pub struct BudgetCounters<T> {
+    /// Sorted by (class, tenant).
+    pairs: Vec<(String, String, T)>,
+}
+
+impl<T: Copy> BudgetCounters<T> {
+    pub fn define(config: &FilterConfig, define: &mut dyn FnMut(&str) -> T) -> BudgetCounters<T> {
+        let mut names: Vec<(String, String)> = Vec::new();
+        if let Some(b) = &config.budgets {
+            for (class, c) in &b.classes {
+                for t in c.tenants.keys().map(String::as_str).chain(std::iter::once(OTHER)) {
+                    names.push((class.clone(), t.to_string()));
+                }
+            }
+        }
+        names.sort_unstable();
+        names.dedup();
+        let pairs = names.into_iter().map(|(c, t)| {
+            let id = define(&budget_metric_name(&c, &t));
+            (c, t, id)
+        });
+        BudgetCounters { pairs: pairs.collect() }
+    }
+
+    /// The counter of a refusal of `class` charged to the tenant label `tenant` (a listed name or
+    /// `other`; anything else is counted as `other`).
+    pub fn get(&self, class: &str, tenant: &str) -> Option<T> {
+        let find = |t: &str| self.pairs.binary_search_by(|(c, n, _)| (c.as_str(), n.as_str()).cmp(&(class, t))).ok();
+        find(tenant).or_else(|| find(OTHER)).and_then(|i| self.pairs.get(i)).map(|(_, _, id)| *id)
+    }
+
+    pub fn len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pairs.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,6 +237,26 @@ mod tests {
         assert_eq!(name("c7", "p8"), trusted_metric_name("other", "other"), "a pair the config does not define");
         assert_eq!(name("nope", "p8"), trusted_metric_name("other", "other"));
         assert_eq!(t.labels("c7", "p8"), ("other", "other"));
+    }
+
+    #[test]
+    fn budget_refusals_are_the_budgeted_classes_with_their_tenants_and_other() {
+        let cfg = config(r#", "budgets": {"tenant": {"header": "x-tenant"}, "classes": {
+            "batch": {"default": {"concurrent_streams": 2}, "tenants": {"team-a": {"concurrent_streams": 1}, "team-b": {"concurrent_streams": 1}}},
+            "interactive": {"tenants": {"team-a": {"concurrent_streams": 9}}}}}"#);
+        let mut names = Vec::new();
+        let t = BudgetCounters::define(&cfg, &mut |n| {
+            names.push(n.to_string());
+            names.len() - 1
+        });
+        assert_eq!(names.len(), 5, "{names:?}");
+        assert_eq!(t.len(), 5);
+        let name = |c: &str, tenant: &str| t.get(c, tenant).map(|i| names[i].clone());
+        assert_eq!(name("batch", "team-a").as_deref(), Some("infermesh.budget_refusals_total.class.batch.tenant.team-a"));
+        assert_eq!(name("batch", "made-up"), Some(budget_metric_name("batch", "other")));
+        assert_eq!(name("interactive", "other"), Some(budget_metric_name("interactive", "other")));
+        assert_eq!(name("eval", "team-a"), None, "eval is not budgeted");
+        assert!(BudgetCounters::<usize>::define(&config(""), &mut |_| 0).is_empty());
     }
 
     #[test]

@@ -126,12 +126,21 @@ fn chars(s: &str) -> u64 {
 }
 
 fn text_chars(v: &Value, depth: u32) -> u64 {
+    text_measure(v, depth, &chars)
+}
+
+/// The prompt's UTF-8 bytes (a token id counts one), as `prompt_chars` counts characters.
+fn text_bytes(v: &Value, depth: u32) -> u64 {
+    text_measure(v, depth, &|s: &str| s.len() as u64)
+}
+
+fn text_measure(v: &Value, depth: u32, m: &dyn Fn(&str) -> u64) -> u64 {
     match v {
-        Value::String(s) => chars(s),
+        Value::String(s) => m(s),
         Value::Number(n) if depth > 0 && (n.is_u64() || n.is_i64()) => 1,
-        Value::Array(xs) if depth == 0 => xs.iter().map(|x| text_chars(x, depth + 1)).sum(),
-        Value::Object(m) => match m.get("text") {
-            Some(Value::String(s)) => chars(s),
+        Value::Array(xs) if depth == 0 => xs.iter().map(|x| text_measure(x, depth + 1, m)).sum(),
+        Value::Object(o) => match o.get("text") {
+            Some(Value::String(s)) => m(s),
             _ => 0,
         },
         _ => 0,
@@ -150,13 +159,17 @@ fn kept(s: &str) -> String {
 fn reference(v: &Value) -> Option<BodyFacts> {
     let m = v.as_object()?;
     let s = |k: &str| m.get(k).and_then(|x| x.as_str()).map(kept);
-    let (message_count, message_chars) = match m.get("messages") {
-        Some(Value::Array(xs)) => (
-            xs.len() as u64,
-            xs.iter().map(|x| x.as_object().and_then(|o| o.get("content")).map(|c| text_chars(c, 0)).unwrap_or(0)).sum(),
-        ),
-        _ => (0, 0),
+    let content = |f: &dyn Fn(&Value, u32) -> u64| -> u64 {
+        match m.get("messages") {
+            Some(Value::Array(xs)) => xs.iter().map(|x| x.as_object().and_then(|o| o.get("content")).map(|c| f(c, 0)).unwrap_or(0)).sum(),
+            _ => 0,
+        }
     };
+    let message_count = match m.get("messages") {
+        Some(Value::Array(xs)) => xs.len() as u64,
+        _ => 0,
+    };
+    let (message_chars, message_bytes) = (content(&text_chars), content(&text_bytes));
     Some(BodyFacts {
         stream: m.get("stream").and_then(|x| x.as_bool()),
         max_tokens: m.get("max_tokens").and_then(|x| x.as_u64()),
@@ -165,6 +178,7 @@ fn reference(v: &Value) -> Option<BodyFacts> {
         model: s("model"),
         message_count,
         prompt_chars: message_chars + m.get("prompt").map(|p| text_chars(p, 0)).unwrap_or(0),
+        prompt_bytes: message_bytes + m.get("prompt").map(|p| text_bytes(p, 0)).unwrap_or(0),
         priority: match m.get("priority") {
             Some(Value::String(x)) => Some(kept(x)),
             Some(Value::Number(n)) if n.is_u64() || n.is_i64() => Some(n.to_string()),

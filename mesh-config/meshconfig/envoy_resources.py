@@ -132,11 +132,14 @@ class Routing:
     """The filter trusts some peers' own x-infermesh-* headers (then only it may decide)."""
     degradable: frozenset[str] = frozenset()
     """Classes `when_degraded` may shed: only the filter decides them."""
+    budgeted: frozenset[str] = frozenset()
+    """Classes with token budgets: only the filter decides them (it reserves, or refuses, each request)."""
 
     def filter_decides(self, cls: str) -> bool:
-        """Only the filter decides this class: `when_degraded` may shed it, or its requests get a
-        prefix key (the filter reads their bodies, docs/prefix-routing.md)."""
-        return cls in self.degradable or self.classes[cls].prefix_key is not None
+        """Only the filter decides this class: `when_degraded` may shed it, its requests get a
+        prefix key (the filter reads their bodies, docs/prefix-routing.md), or it has token
+        budgets (docs/token-budgets.md)."""
+        return cls in self.degradable or self.classes[cls].prefix_key is not None or cls in self.budgeted
 
     @classmethod
     def from_policy(cls, policy: Policy) -> "Routing":
@@ -147,6 +150,7 @@ class Routing:
             emit_objective_header=policy.filter.emit_objective_header,
             trusted_sources=bool(policy.filter.trusted_cidrs or policy.filter.trusted_principals),
             degradable=degradable_classes(policy.classes, policy.degraded_routing()),
+            budgeted=frozenset(policy.budgets.classes) if policy.budgets is not None else frozenset(),
         )
 
     @classmethod
@@ -156,8 +160,10 @@ class Routing:
         if fc.get("default_class") not in classes:
             return None
         rules = tuple(Rule.model_validate(r) for r in fc.get("rules") or ())
+        budgets = fc.get("budgets")
+        budgeted = frozenset(c for c in (budgets.get("classes") or {}) if c in classes) if isinstance(budgets, dict) else frozenset()
         return cls(classes, fc["default_class"], rules, bool(fc.get("emit_objective_header")), bool(fc.get("trusted_sources")),
-                   degradable_classes(classes, fc.get("degraded_routing")))
+                   degradable_classes(classes, fc.get("degraded_routing")), budgeted)
 
     @property
     def default_pool(self) -> str:

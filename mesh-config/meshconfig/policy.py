@@ -35,6 +35,8 @@ The typed model, as other modules use it (every object is an immutable pydantic 
     Range                           .min .max (either may be None)
     match.content                   ContentMatch: .label .min_score (the content classifier's verdict)
     policy.content_model            content_model.ContentModel | None (inline, or `{file: PATH}` beside the policy)
+    policy.budgets                  BudgetsSpec | None: token budgets per class and tenant (docs/token-budgets.md):
+                                    .tenant (BudgetTenant) .classes[name] (ClassBudget: .default .tenants, each a Budget)
     policy.pools[name]              PoolSpec: .models (ModelSpec) .gpu .replicas .serving
                                     .breakers .standby .monitor .when_degraded
     policy.needs_body, policy.default_pool, policy.objective(cls), policy.failover(),
@@ -66,6 +68,7 @@ from typing import Annotated, Any, Literal, Mapping
 import yaml
 from pydantic import (AfterValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, ValidationInfo,
                       WithJsonSchema, field_validator, model_validator)
+from pydantic.json_schema import SkipJsonSchema
 
 from infermesh.settings import (GRPC_PORT, HTTP_PORT, LEVEL_DOWN, NAME, ClassSettings, ModelSettings, PoolSettings, ServingSettings,
                                 Strict, TracingSettings, check_ladder)
@@ -433,6 +436,146 @@ class PoolStateSpec(Strict):
     """Retry-After of the 429 that sheds a class at the edge."""
 
 
+# ---- token budgets (docs/token-budgets.md; the filter: config.rs `budgets`, token_budget.rs) -------
+
+BUDGET_TOKENS_MAX = 10**12
+"""A window's limit: 1 to this many tokens (config.rs BUDGET_PER_MINUTE, _HOUR, _DAY)."""
+BUDGET_WEIGHT_MAX = 1000
+"""`count.input` / `count.output`: 0 to this (config.rs BUDGET_COUNT_INPUT, _OUTPUT)."""
+BUDGET_STREAMS_MAX = 1_000_000
+"""`concurrent_streams`: 1 to this (config.rs BUDGET_CONCURRENT_STREAMS)."""
+BUDGET_MAX_TOKENS_MAX = 2**32 - 1
+"""The filter's bound of a class's `default_max_tokens` (its pool's `serving.default_max_tokens`)."""
+BUDGET_MAX_TENANTS = 256
+"""Tenants one class's budget may list: each is a metric label (config.rs BUDGET_MAX_TENANTS)."""
+BUDGET_OTHER = "other"
+"""The tenant of a request whose tenant the filter may not believe, and the label of every tenant not listed."""
+
+
+class BudgetTenant(Strict):
+    """Where a request's tenant comes from: exactly one of `header`, `api_key_hash`."""
+
+    header: StrictStr | None = None
+    """A header an authenticating hop before the mesh sets (Istio's RequestAuthentication
+    `outputClaimToHeaders`, an API gateway). The filter reads it only from a source it trusts
+    (`filter.trusted_cidrs` / `trusted_principals`); from any other it removes it and the request
+    is the tenant `other`."""
+    api_key_hash: StrictBool | None = None
+    """true: the tenant is the first 16 hex digits of the SHA-256 of the API key (`authorization:
+    Bearer KEY`, else `x-api-key: KEY`); listed tenants are named so. No trust needed: a client
+    that can send a tenant's key is that tenant."""
+
+    @model_validator(mode="after")
+    def _one(self) -> "BudgetTenant":
+        if (self.header is None) == (self.api_key_hash is None):
+            raise FieldError("", "exactly one of `header`, `api_key_hash` is required")
+        if self.api_key_hash is False:
+            raise FieldError("api_key_hash", "must be true (or name a `header`)")
+        if self.header is not None:
+            b = self.header.encode()
+            if not b or any(65 <= c <= 90 or c <= 32 or c >= 0x7F for c in b):
+                raise FieldError("header", "header names must be non-empty lower-case tokens")
+        return self
+
+
+class BudgetTokens(Strict):
+    """Tokens per fixed window (aligned to the clock's minute, hour, day); at least one."""
+
+    per_minute: _bounded(1, BUDGET_TOKENS_MAX) | None = None
+    per_hour: _bounded(1, BUDGET_TOKENS_MAX) | None = None
+    per_day: _bounded(1, BUDGET_TOKENS_MAX) | None = None
+
+    @model_validator(mode="after")
+    def _some(self) -> "BudgetTokens":
+        if self.per_minute is None and self.per_hour is None and self.per_day is None:
+            raise FieldError("", "`tokens` needs `per_minute`, `per_hour`, `per_day` or several")
+        return self
+
+
+class BudgetCount(Strict):
+    """What a request is charged: `input` x prompt tokens + `output` x completion tokens."""
+
+    input: _bounded(0, BUDGET_WEIGHT_MAX) = 1
+    output: _bounded(0, BUDGET_WEIGHT_MAX) = 1
+
+    @model_validator(mode="after")
+    def _charged(self) -> "BudgetCount":
+        if self.input == 0 and self.output == 0:
+            raise FieldError("", "`input` and `output` cannot both be 0 (nothing would be charged)")
+        return self
+
+
+class Budget(Strict):
+    """One budget: tokens per window, how they are counted, streams in flight. A listed tenant's
+    budget is whole (nothing is inherited from the class's `default`)."""
+
+    tokens: BudgetTokens | None = None
+    count: BudgetCount = BudgetCount()
+    concurrent_streams: _bounded(1, BUDGET_STREAMS_MAX) | None = None
+    """Streams (requests) in flight at once; a stream's end, a vanished client's included, frees its slot."""
+
+    @model_validator(mode="after")
+    def _limits(self) -> "Budget":
+        if self.tokens is None and self.concurrent_streams is None:
+            raise FieldError("", "a budget needs `tokens`, `concurrent_streams` or both")
+        return self
+
+    def wire(self) -> dict[str, Any]:
+        """The budget as the filter reads it."""
+        out: dict[str, Any] = {}
+        if self.tokens is not None:
+            out["tokens"] = self.tokens.model_dump(exclude_none=True)
+        out["count"] = self.count.model_dump()
+        if self.concurrent_streams is not None:
+            out["concurrent_streams"] = self.concurrent_streams
+        return out
+
+
+class ClassBudget(Strict):
+    """One class's budgets: a default for each tenant not listed, and listed tenants."""
+
+    default: Budget | None = None
+    """Each tenant not listed, and `other`, gets this budget (its own count of it); None: they are not limited."""
+    tenants: dict[StrictStr, Budget] = {}
+    """Tenants by name (the `header`'s value, or the key's hash with `api_key_hash`): metric labels."""
+
+    @field_validator("tenants")
+    @classmethod
+    def _names(cls, tenants: dict[str, Budget]) -> dict[str, Budget]:
+        if len(tenants) > BUDGET_MAX_TENANTS:
+            raise FieldError("", f"at most {BUDGET_MAX_TENANTS} tenants per class")
+        for name in tenants:
+            if why := _token_error(name):
+                raise FieldError(name, why)
+            if name == BUDGET_OTHER:
+                raise FieldError(name, "`other` is reserved (tenants not listed are counted as `other`)")
+        return tenants
+
+    @model_validator(mode="after")
+    def _some(self) -> "ClassBudget":
+        if self.default is None and not self.tenants:
+            raise FieldError("", "a class's budget needs a `default`, `tenants` or both")
+        return self
+
+
+class BudgetsSpec(Strict):
+    """Token budgets per class and tenant, enforced by the filter (docs/token-budgets.md): a
+    request reserves an upper bound of its tokens on arrival (prompt bytes + 8 per message +
+    `max_tokens` or its pool's `serving.default_max_tokens`, per choice) or is refused with 429;
+    an upstream error gives the reservation back. Counted per gateway, shared by its workers."""
+
+    tenant: BudgetTenant
+    classes: dict[StrictStr, ClassBudget]
+    """Budgeted classes (any of `classes`); a class not here is not limited."""
+
+    @field_validator("classes")
+    @classmethod
+    def _some(cls, classes: dict[str, ClassBudget]) -> dict[str, ClassBudget]:
+        if not classes:
+            raise FieldError("", "a budget needs at least one class")
+        return classes
+
+
 class FilterSpec(Strict):
     runtime: Literal["wasm", "native"] = "wasm"
     """How Envoy runs the filter: `wasm` (proxy-wasm, V8: plain Envoy and Istio) or `native` (the
@@ -503,6 +646,9 @@ class Policy(Strict):
     content_model: Annotated[Any, WithJsonSchema(_CONTENT_MODEL_SCHEMA)] = None
     """The content classifier that rules' `match.content` ask (cm.ContentModel once validated)."""
     filter: FilterSpec = FilterSpec()
+    budgets: SkipJsonSchema[BudgetsSpec | None] = None
+    """Token budgets per class and tenant (docs/token-budgets.md). Not in the chart's values yet
+    (left out of the JSON schema the chart's is generated from): plain Envoy only in this slice."""
     tracing: TracingSettings = TracingSettings()
     """OpenTelemetry traces of the mesh's requests: Envoy, every sidecar and vLLM export to one
     OTLP endpoint (docs/tracing.md); off by default."""
@@ -545,7 +691,26 @@ class Policy(Strict):
                 for sub, pattern in r.match.regexes():
                     if why := regex_error(pattern, limit):
                         raise FieldError(f"rules.{i}.match.{sub}.regex", f"invalid regex: {why}")
+        if self.budgets is not None:
+            self._check_budgets(self.budgets)
         return self
+
+    def _check_budgets(self, b: BudgetsSpec) -> None:
+        """The references config.rs checks: known classes, hash-named tenants with api_key_hash;
+        and the pool's completion default the filter bounds."""
+        for name, c in b.classes.items():
+            at = f"budgets.classes.{name}"
+            if name not in self.classes:
+                raise FieldError(at, f"unknown class `{name}`")
+            pool = self.classes[name].pool
+            if self.pools[pool].serving.default_max_tokens > BUDGET_MAX_TOKENS_MAX:
+                raise FieldError(f"pools.{pool}.serving.default_max_tokens",
+                                 f"must be between 1 and {BUDGET_MAX_TOKENS_MAX} (the budgets of class `{name}` bound it)")
+            if b.tenant.api_key_hash:
+                for t in c.tenants:
+                    if not re.fullmatch(r"[0-9a-f]{16}", t):
+                        raise FieldError(f"{at}.tenants.{t}",
+                                         "with `api_key_hash` a tenant is named by the first 16 hex digits (lower case) of its key's SHA-256")
 
     @field_validator("content_model", mode="before")
     @classmethod
@@ -634,7 +799,25 @@ class Policy(Strict):
             cfg["degraded_routing"] = degraded
         if self.content_model is not None:
             cfg["content_model"] = self.content_model.to_obj()
+        if self.budgets is not None:
+            cfg["budgets"] = self.budgets_config()
         return cfg
+
+    def budgets_config(self) -> dict:
+        """The filter's `budgets`: each class with its pool's `serving.default_max_tokens` (the
+        completion bound of a request that states none, which the sidecar enforces)."""
+        b = self.budgets
+        assert b is not None
+        tenant = {"header": b.tenant.header} if b.tenant.header is not None else {"api_key_hash": True}
+        classes: dict[str, Any] = {}
+        for name, c in b.classes.items():
+            entry: dict[str, Any] = {"default_max_tokens": self.pools[self.classes[name].pool].serving.default_max_tokens}
+            if c.default is not None:
+                entry["default"] = c.default.wire()
+            if c.tenants:
+                entry["tenants"] = {t: tb.wire() for t, tb in c.tenants.items()}
+            classes[name] = entry
+        return {"tenant": tenant, "classes": classes}
 
     def sidecar_config(self, pool: str, models_dir: Path, *, host: str = "127.0.0.1", http_port: int = HTTP_PORT,
                        grpc_port: int = GRPC_PORT, admin_port: int = 0, admin_grpc_port: int = 0, instance: str = "0") -> dict:

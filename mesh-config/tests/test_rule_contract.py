@@ -18,6 +18,13 @@ the policy model's (its JSON schema, its defaults, its constants), in both direc
 tries each bound on both parsers at and one past each end (`bound_cases`), and the shared regex
 budget on configs of many regexes.
 
+Token budgets (the policy's top-level `budgets`, the filter's `budgets`, docs/token-budgets.md):
+the same field paths on both sides; BUDGET_BOUNDED holds every bounded field of config.rs
+`BUDGET_LIMITS` to its policy field, `test_the_policy_holds_the_filters_budget_limits` compares
+their bounds and defaults, and the corpus tries each at and one past its ends. A class's
+`default_max_tokens` is not the policy's to write: it is the class's pool's
+`serving.default_max_tokens` (compared with the filter's bound and default there).
+
 Spill (`when_degraded.spill_to`) is not the filter's: Envoy's health check of the sidecars' state
 endpoint and priority failover do it, so the filter config never carries it (only the pools that
 shed are in `degraded_routing`) and the filter refuses a config that still does (FILTER_ONLY).
@@ -37,9 +44,10 @@ import pytest
 import yaml
 
 from infermesh.meshconfig import content_model as cm, filter_regex
-from infermesh.meshconfig.policy import (RESERVED_RULE_NAMES, TOKEN_MAX_LEN, DegradedRouting, FilterSpec, PolicyError, PoolStateSpec,
-                                         PrefixKeySpec, parse_policy)
-from infermesh.settings import LEVEL_DOWN, NAME
+from infermesh.meshconfig.policy import (BUDGET_MAX_TENANTS, BUDGET_MAX_TOKENS_MAX, BUDGET_OTHER, RESERVED_RULE_NAMES, TOKEN_MAX_LEN, Budget,
+                                         BudgetCount, BudgetTokens, ClassBudget, DegradedRouting, FilterSpec, PolicyError, PoolStateSpec, PrefixKeySpec,
+                                         parse_policy)
+from infermesh.settings import LEVEL_DOWN, NAME, ServingSettings
 
 REPO = Path(__file__).resolve().parents[2]
 FILTER = REPO / "filter"
@@ -482,6 +490,104 @@ def content_bound_cases() -> list[tuple[str, dict, bool, str | None]]:
     return out
 
 
+# Token budgets (docs/token-budgets.md): the policy's `budgets`, the filter's `budgets`.
+HDR = {"header": "x-tenant-id"}
+TEAM_A_HASH = "8879f6a4ae35c420"  # sha256(b"sk-team-a")[:16]
+
+
+def budgets(classes: dict, tenant: dict | None = None) -> dict:
+    return {"budgets": {"tenant": HDR if tenant is None else tenant, "classes": classes}}
+
+
+def batch_budget(**cb) -> dict:
+    return budgets({"batch": cb})
+
+
+STREAMS = {"concurrent_streams": 2}
+BUDGET_VALID = {
+    "budget-design-example": budgets({"batch": {"default": {"tokens": {"per_minute": 200000, "per_day": 20000000}, "count": {"input": 1, "output": 1},
+                                                            "concurrent_streams": 16},
+                                                "tenants": {"team-a": {"tokens": {"per_minute": 50000}, "concurrent_streams": 4}}}}),
+    "budget-streams-only": batch_budget(default=STREAMS),
+    "budget-tenants-only": batch_budget(tenants={"team-a": {"tokens": {"per_hour": 10}}}),
+    "budget-output-only": batch_budget(default={"tokens": {"per_day": 1}, "count": {"input": 0, "output": 1}}),
+    "budget-input-only": batch_budget(default={"tokens": {"per_day": 1}, "count": {"input": 7}}),
+    "budget-two-classes": budgets({"batch": {"default": STREAMS}, "interactive": {"tenants": {"team-a": STREAMS, "team_b-2": STREAMS}}}),
+    "budget-api-key": budgets({"interactive": {"tenants": {TEAM_A_HASH: {"tokens": {"per_minute": 5}}}, "default": STREAMS}}, {"api_key_hash": True}),
+    "budget-tenant-64": batch_budget(tenants={"t" * 64: STREAMS}),
+    "budget-null-windows": batch_budget(default={"tokens": {"per_minute": None, "per_hour": 3}}),
+    "budget-256-tenants": batch_budget(tenants={f"t{i}": STREAMS for i in range(BUDGET_MAX_TENANTS)}),
+}
+BUDGET_INVALID = {
+    "budget-tenant-none": (budgets({"batch": {"default": STREAMS}}, {}), "budgets.tenant"),
+    "budget-tenant-both": (budgets({"batch": {"default": STREAMS}}, {"header": "x-t", "api_key_hash": True}), "budgets.tenant"),
+    "budget-tenant-hash-false": (budgets({"batch": {"default": STREAMS}}, {"api_key_hash": False}), "budgets.tenant.api_key_hash"),
+    "budget-tenant-header-upper": (budgets({"batch": {"default": STREAMS}}, {"header": "X-Tenant"}), "budgets.tenant.header"),
+    "budget-tenant-header-empty": (budgets({"batch": {"default": STREAMS}}, {"header": ""}), "budgets.tenant.header"),
+    "budget-tenant-header-type": (budgets({"batch": {"default": STREAMS}}, {"header": 7}), "budgets.tenant.header"),
+    "budget-tenant-unknown-key": (budgets({"batch": {"default": STREAMS}}, {"claim": "sub"}), "budgets.tenant.claim"),
+    "budget-missing-tenant": ({"budgets": {"classes": {"batch": {"default": STREAMS}}}}, "budgets.tenant"),
+    "budget-unknown-field": ({"budgets": {"tenant": HDR, "classes": {"batch": {"default": STREAMS}}, "on_unavailable": "open"}},
+                             "budgets.on_unavailable"),
+    "budget-no-classes": (budgets({}), "budgets.classes"),
+    "budget-class-unknown": (budgets({"premium": {"default": STREAMS}}), "budgets.classes.premium"),
+    "budget-class-empty": (batch_budget(), "budgets.classes.batch"),
+    "budget-class-unknown-field": (batch_budget(default=STREAMS, defaults=STREAMS), "budgets.classes.batch.defaults"),
+    "budget-empty": (batch_budget(default={}), "budgets.classes.batch.default"),
+    "budget-count-only": (batch_budget(default={"count": {"input": 1}}), "budgets.classes.batch.default"),
+    "budget-tokens-empty": (batch_budget(default={"tokens": {}}), "budgets.classes.batch.default.tokens"),
+    "budget-tokens-unknown-window": (batch_budget(default={"tokens": {"per_second": 5}}), "budgets.classes.batch.default.tokens.per_second"),
+    "budget-tokens-type": (batch_budget(default={"tokens": {"per_minute": "5"}}), "budgets.classes.batch.default.tokens.per_minute"),
+    "budget-tokens-float": (batch_budget(default={"tokens": {"per_minute": 5.0}}), "budgets.classes.batch.default.tokens.per_minute"),
+    "budget-tokens-negative": (batch_budget(default={"tokens": {"per_minute": -5}}), "budgets.classes.batch.default.tokens.per_minute"),
+    "budget-count-zero": (batch_budget(default={"concurrent_streams": 1, "count": {"input": 0, "output": 0}}), "budgets.classes.batch.default.count"),
+    "budget-count-unknown": (batch_budget(default={"concurrent_streams": 1, "count": {"cached": 0}}), "budgets.classes.batch.default.count.cached"),
+    "budget-streams-type": (batch_budget(default={"concurrent_streams": True}), "budgets.classes.batch.default.concurrent_streams"),
+    "budget-tenant-name": (batch_budget(tenants={"team a": STREAMS}), "budgets.classes.batch.tenants.team a"),
+    "budget-tenant-name-65": (batch_budget(tenants={"t" * 65: STREAMS}), "budgets.classes.batch.tenants." + "t" * 65),
+    "budget-tenant-other": (batch_budget(tenants={BUDGET_OTHER: STREAMS}), "budgets.classes.batch.tenants.other"),
+    "budget-tenant-budget-empty": (batch_budget(tenants={"team-a": {}}), "budgets.classes.batch.tenants.team-a"),
+    "budget-tenant-window": (batch_budget(tenants={"team-a": {"tokens": {"per_day": 0}}}), "budgets.classes.batch.tenants.team-a.tokens.per_day"),
+    "budget-too-many-tenants": (batch_budget(tenants={f"t{i}": STREAMS for i in range(BUDGET_MAX_TENANTS + 1)}), "budgets.classes.batch.tenants"),
+    "budget-api-key-name": (budgets({"batch": {"tenants": {"team-a": STREAMS}}}, {"api_key_hash": True}), "budgets.classes.batch.tenants.team-a"),
+    "budget-api-key-upper": (budgets({"batch": {"tenants": {TEAM_A_HASH.upper(): STREAMS}}}, {"api_key_hash": True}),
+                             f"budgets.classes.batch.tenants.{TEAM_A_HASH.upper()}"),
+    "budget-not-object": ({"budgets": "on"}, "budgets"),
+}
+
+# Every bounded field of the filter's budgets (config.rs BUDGET_LIMITS): (the policy's field path
+# of a refusal, the policy model and its field, a case with that field set to v). A class's
+# default_max_tokens is its pool's serving.default_max_tokens (BUDGET_FROM_THE_POOL).
+BUDGET_BOUNDED = {
+    **{f"budgets.classes.*.*.tokens.{k}": (f"budgets.classes.batch.default.tokens.{k}", BudgetTokens, k,
+                                          lambda v, k=k: batch_budget(default={"tokens": {k: v}}))
+       for k in ("per_minute", "per_hour", "per_day")},
+    **{f"budgets.classes.*.*.count.{k}": (f"budgets.classes.batch.tenants.team-a.count.{k}", BudgetCount, k,
+                                         lambda v, k=k: batch_budget(tenants={"team-a": {"concurrent_streams": 1, "count": {k: v}}}))
+       for k in ("input", "output")},
+    "budgets.classes.*.*.concurrent_streams": ("budgets.classes.batch.default.concurrent_streams", Budget, "concurrent_streams",
+                                               lambda v: batch_budget(default={"concurrent_streams": v})),
+}
+BUDGET_FROM_THE_POOL = "budgets.classes.*.default_max_tokens"
+
+
+def budget_bound_cases() -> list[tuple[str, dict, bool, str | None]]:
+    out = []
+    for field, (path, model, name, case) in BUDGET_BOUNDED.items():
+        lo, hi = budget_policy_bounds(model, name)
+        for v in [lo - 1] * (lo > 0) + [lo, hi, hi + 1]:
+            ok = lo <= v <= hi
+            out.append((f"budget-bound-{field}={v}", case(v), ok, None if ok else path))
+    return out
+
+
+def budget_policy_bounds(model, name: str) -> tuple[int, int]:
+    """A budget field's bounds from its JSON schema (an optional field's are in its anyOf)."""
+    prop = model.model_json_schema()["properties"][name]
+    bounded = next(p for p in [prop, *prop.get("anyOf", [])] if "minimum" in p)
+    return bounded["minimum"], bounded["maximum"]
+
+
 def corpus() -> list[tuple[str, dict, bool, str | None]]:
     """(id, case, the filter should accept it, the policy's field of the refusal)."""
     out = [(f"valid-{k}", {"rules": v}, True, None) for k, v in VALID.items()]
@@ -497,6 +603,9 @@ def corpus() -> list[tuple[str, dict, bool, str | None]]:
     out += [(f"valid-{k}", v, True, None) for k, v in CONTENT_VALID.items()]
     out += [(k, v, False, f) for k, (v, f) in CONTENT_INVALID.items()]
     out += content_bound_cases()
+    out += [(f"valid-{k}", v, True, None) for k, v in BUDGET_VALID.items()]
+    out += [(k, v, False, f) for k, (v, f) in BUDGET_INVALID.items()]
+    out += budget_bound_cases()
     return out
 
 
@@ -513,6 +622,8 @@ def policy_text(case: dict) -> str:
         doc["filter"] = case["filter"]
     if "content_model" in case:
         doc["content_model"] = case["content_model"]
+    if "budgets" in case:
+        doc["budgets"] = case["budgets"]
     return yaml.safe_dump(doc, allow_unicode=True, sort_keys=False, width=2**30)
 
 
@@ -539,7 +650,40 @@ def filter_json(case: dict) -> str:
         cfg["degraded_routing"] = {"pools": pools, **PoolStateSpec().model_dump(), **f.get("pool_state", {})}
     if case.get("content_model") is not None:
         cfg["content_model"] = case["content_model"]
+    if case.get("budgets") is not None:
+        cfg["budgets"] = _budgets_json(case["budgets"])
     return json.dumps(cfg)
+
+
+def _budgets_json(b):
+    """The case's budgets as Policy.budgets_config writes them: each class with its pool's
+    default_max_tokens (the cases' pools serve with the default), each budget's `count` complete
+    and its windows without nulls; a part of another shape is passed as it is."""
+    if not isinstance(b, dict) or not isinstance(b.get("classes"), dict):
+        return b
+
+    def budget(x):
+        if not isinstance(x, dict):
+            return x
+        out = dict(x)
+        if isinstance(out.get("tokens"), dict):
+            out["tokens"] = {k: v for k, v in out["tokens"].items() if v is not None}
+        count = out.get("count", {})
+        out["count"] = {"input": 1, "output": 1} | count if isinstance(count, dict) else count
+        return out
+
+    classes = {}
+    for name, c in b["classes"].items():
+        if not isinstance(c, dict):
+            classes[name] = c
+            continue
+        entry = {"default_max_tokens": ServingSettings().default_max_tokens} | {k: v for k, v in c.items() if k not in ("default", "tenants")}
+        if "default" in c:
+            entry["default"] = budget(c["default"])
+        if c.get("tenants"):
+            entry["tenants"] = {t: budget(x) for t, x in c["tenants"].items()} if isinstance(c["tenants"], dict) else c["tenants"]
+        classes[name] = entry
+    return {k: v for k, v in b.items() if k != "classes"} | {"classes": classes}
 
 
 _SECTION = {"filter.body_max_bytes": "body.max_bytes", "filter.trusted_cidrs": "trusted_sources.cidrs",
@@ -634,6 +778,47 @@ def test_the_filter_refuses_what_the_policy_no_longer_writes(filter_verdicts, na
         assert theirs == {"ok": False, "field": field, "message": message, "at": field}, theirs
 
 
+@pytest.mark.parametrize("cid", list(BUDGET_VALID))
+def test_budgets_json_is_what_the_policy_writes(cid):
+    """filter_json's budgets are Policy.budgets_config's: the corpus gives the filter what the policy would."""
+    case = BUDGET_VALID[cid]
+    assert parse_policy(policy_text(case), "contract.yaml").filter_config()["budgets"] == json.loads(filter_json(case))["budgets"]
+
+
+def test_a_policy_without_budgets_writes_none_and_the_chart_schema_leaves_them_out():
+    """Budgets are plain Envoy's in this slice: not in the JSON schema the chart's values.schema.json is made from."""
+    from infermesh.meshconfig.policy import Policy  # noqa: PLC0415 — the one test that needs the whole model
+    assert "budgets" not in parse_policy(policy_text({}), "contract.yaml").filter_config()
+    assert "budgets" not in Policy.model_json_schema()["properties"]
+
+
+def test_the_policy_holds_the_filters_budget_limits(filter_limits):
+    """config.rs's budget bounds and defaults are the policy model's, field by field, both ways."""
+    theirs = filter_limits["budgets"]
+    assert set(theirs["bounded"]) == set(BUDGET_BOUNDED) | {BUDGET_FROM_THE_POOL}
+    for field, (_, model, name, _) in BUDGET_BOUNDED.items():
+        lo, hi = budget_policy_bounds(model, name)
+        t = theirs["bounded"][field]
+        assert (lo, hi) == (t["min"], t["max"]), f"{field}: policy {lo}..{hi}, filter {t['min']}..{t['max']}"
+        default = model.model_fields[name].default
+        # An optional limit is absent (None) in the policy, 0 ("not limited") in the filter's table.
+        assert (0 if default is None else default) == t["default"] == theirs["defaults"][field], field
+    for model in (BudgetTokens, BudgetCount, Budget):
+        bounded = {n for n, p in model.model_json_schema()["properties"].items()
+                   if "minimum" in p or any("minimum" in q for q in p.get("anyOf", []))}
+        assert bounded == {n for _, m, n, _ in BUDGET_BOUNDED.values() if m is model}, model.__name__
+    # default_max_tokens: the pool's serving default, within the filter's bound.
+    pool = theirs["bounded"][BUDGET_FROM_THE_POOL]
+    assert (pool["min"], pool["max"], pool["default"]) == (1, BUDGET_MAX_TOKENS_MAX, ServingSettings().default_max_tokens)
+    assert ServingSettings.model_json_schema()["properties"]["default_max_tokens"]["exclusiveMinimum"] == 0
+    assert theirs["defaults"][BUDGET_FROM_THE_POOL] == ServingSettings().default_max_tokens
+    assert theirs["defaults"]["budgets.classes.*.tenants"] == len(ClassBudget.model_fields["tenants"].default) == 0
+    assert theirs["max_tenants"] == BUDGET_MAX_TENANTS
+    assert theirs["reserved_tenant"] == BUDGET_OTHER
+    assert set(theirs) == {"bounded", "defaults", "max_tenants", "windows", "message_overhead", "tenant_slots", "reserved_tenant"}
+    assert [w for w, _ in theirs["windows"]] == list(BudgetTokens.model_fields)
+
+
 @pytest.mark.parametrize("cid", [k for k, v in OTHER_VALID.items() if "when_degraded" in v] + list(POLICY_ONLY))
 def test_filter_json_is_what_the_policy_writes(cid):
     """filter_json's degraded_routing is Policy.degraded_routing's (for a policy that parses): the
@@ -702,6 +887,20 @@ BRANCHES = {
     "content_model: bias": ["content-model-bias-short", "content-model-bias-long"],
     "content_model: weights length": ["content-model-weights-short", "content-model-weights-long"],
     "content_model: weights base64": ["content-model-weights-alphabet", "content-model-weights-unpadded", "content-model-weights-urlsafe"],
+    "budgets.tenant: exactly one": ["budget-tenant-none", "budget-tenant-both"],
+    "budgets.tenant.api_key_hash false": ["budget-tenant-hash-false"],
+    "budgets.tenant.header name": ["budget-tenant-header-upper", "budget-tenant-header-empty"],
+    "budgets.classes empty": ["budget-no-classes"],
+    "budgets.classes.C unknown": ["budget-class-unknown"],
+    "budgets.classes.C neither default nor tenants": ["budget-class-empty"],
+    "budgets.classes.C.tenants too many": ["budget-too-many-tenants"],
+    "budgets.classes.C.tenants.T token": ["budget-tenant-name", "budget-tenant-name-65"],
+    "budgets.classes.C.tenants.T other": ["budget-tenant-other"],
+    "budgets.classes.C.tenants.T api_key_hash": ["budget-api-key-name", "budget-api-key-upper"],
+    "budget: neither tokens nor streams": ["budget-empty", "budget-count-only", "budget-tenant-budget-empty"],
+    "budget.tokens: no window": ["budget-tokens-empty"],
+    "budget bounds": ["budget-tenant-window"] + [c[0] for c in budget_bound_cases() if not c[2]],
+    "budget.count both 0": ["budget-count-zero"],
 }
 
 
@@ -747,7 +946,7 @@ FILTER_ONLY_LIMITS = {"probe_cluster_max_len"}
 def test_the_policy_holds_the_filters_limits(filter_limits):
     """Field by field: every bound and default the filter's parser has (config.rs) is the policy
     model's, and every bounded field the policy writes into the filter config is the filter's."""
-    assert set(filter_limits) == {"version", "bounded", "defaults", "level_down", "token_max_len", "reserved_rule_names", "regex"} \
+    assert set(filter_limits) == {"version", "bounded", "defaults", "level_down", "token_max_len", "reserved_rule_names", "regex", "budgets"} \
         | FILTER_ONLY_LIMITS, "config::limits() has a new entry: compare it with the policy here"
     # Both directions: a bounded field on either side without its twin fails.
     assert set(filter_limits["bounded"]) == set(BOUNDED)

@@ -8,7 +8,8 @@ use crate::process_pool_table::{pools_to_probe, PoolTable};
 use crate::config::FilterConfig;
 use crate::envoy_abi::*;
 use crate::pool_state::HEADER_POOL_LEVEL;
-use crate::request_flow::{now_ms, probe_answer, Accepted, CounterId, Host, Next, StateError, Stream, STATE_PATH};
+use crate::request_flow::{now_ms, probe_answer, Accepted, BudgetTable, CounterId, Host, Metrics, Next, StateError, Stream, STATE_PATH};
+use crate::token_budget::ProcessBudgets;
 use std::collections::HashMap;
 use std::os::raw::c_char;
 use std::sync::{Arc, Condvar, Mutex};
@@ -161,6 +162,12 @@ impl Host for Envoy {
 
     fn remove_response_header(&mut self, name: &str) {
         unsafe { envoy_dynamic_module_callback_http_set_header(self.ptr, RESPONSE_HEADER, ModuleBuffer::of(name.as_bytes()), ModuleBuffer::NULL) };
+    }
+
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        unsafe {
+            envoy_dynamic_module_callback_http_set_header(self.ptr, RESPONSE_HEADER, ModuleBuffer::of(name.as_bytes()), ModuleBuffer::of(value.as_bytes()))
+        };
     }
 
     fn count(&mut self, id: CounterId) {
@@ -336,7 +343,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
             None
         }
     };
-    let cfg = ModuleConfig::new(filter, &mut define);
+    // Budgets: the process's one table (every worker, every config: a reload keeps the counts).
+    let budgets = |_: &Metrics| -> BudgetTable { Box::new(ProcessBudgets::process()) };
+    let cfg = ModuleConfig::new(filter, &mut define, &budgets);
     let probing = cfg.filter.degraded.as_ref().filter(|d| d.pools.values().any(|p| p.probe_cluster.is_some()));
     let ticker = match probing {
         Some(d) if !unsafe { envoy_dynamic_module_callback_is_validation_mode() } => {
@@ -416,7 +425,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(m: FilterModulePtr
     if cfg!(feature = "bench-noop") || m.is_null() {
         return;
     }
-    drop(unsafe { Box::from_raw(m as *mut Filter) });
+    let mut f = unsafe { Box::from_raw(m as *mut Filter) };
+    // Every stream ends here (completed, reset, its client gone): the budget's stream slot goes back.
+    if let Some(module) = unsafe { f.cfg.as_ref() } {
+        f.stream.on_stream_end(&module.cfg);
+    }
 }
 
 #[no_mangle]

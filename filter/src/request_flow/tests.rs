@@ -6,8 +6,14 @@ use super::*;
 use crate::config::{FilterConfig, HEADER_CLASS, HEADER_OBJECTIVE, HEADER_POOL, HEADER_RULE};
 use crate::pool_state::HEADER_POOL_LEVEL;
 use crate::process_pool_table::{pools_to_probe, PoolTable};
+use crate::token_budget::{record_key, ProcessBudgets, Record};
 
 type ModuleConfig = Accepted<PoolTable>;
+
+/// Each config its own budget table (the native module's kind: the process's one is shared).
+fn table(_: &Metrics) -> BudgetTable {
+    Box::new(ProcessBudgets::fresh())
+}
 
 /// A fake `Host`: the request's headers as bytes, as Envoy holds them (names and values need not
 /// be UTF-8), its body in slices, the response's headers, what was answered and counted.
@@ -24,6 +30,8 @@ struct FakeHost {
     /// The answer: status, headers, body (a second one fails the test).
     sent: Option<(u32, Vec<(String, String)>, Vec<u8>)>,
     counted: Vec<usize>,
+    /// The clock (None: the real one).
+    now: Option<u64>,
 }
 
 impl FakeHost {
@@ -111,6 +119,13 @@ impl Host for FakeHost {
     fn remove_response_header(&mut self, name: &str) {
         self.response.retain(|(k, _)| k != name);
     }
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        self.remove_response_header(name);
+        self.response.push((name.to_string(), value.to_string()));
+    }
+    fn now_ms(&self) -> u64 {
+        self.now.unwrap_or_else(now_ms)
+    }
     fn count(&mut self, id: CounterId) {
         if let Some(id) = id {
             self.counted.push(id);
@@ -149,7 +164,7 @@ fn module_of(config: &str) -> (ModuleConfig, Vec<String>) {
     let cfg = ModuleConfig::new(FilterConfig::parse(config.as_bytes()).expect("test config"), &mut |n| {
         names.push(n.to_string());
         Some(names.len() - 1)
-    });
+    }, &table);
     (cfg, names)
 }
 
@@ -235,7 +250,7 @@ fn a_client_cannot_pass_a_routing_header_through_a_header_rule() {
     let cfg = r#"{"version": 1, "default_class": "batch", "classes": {"interactive": {"pool": "interactive"}, "batch": {"pool": "batch"}},
         "rules": [{"name": "hint", "class": "interactive", "match": {"headers": [{"name": "x-infermesh-class-hint", "exact": "i"}]}}],
         "trusted_sources": {"cidrs": ["10.8.0.0/16"]}}"#;
-    let cfg = ModuleConfig::new(FilterConfig::parse(cfg.as_bytes()).expect("config"), &mut |_| None);
+    let cfg = ModuleConfig::new(FilterConfig::parse(cfg.as_bytes()).expect("config"), &mut |_| None, &table);
     let mut outside = FakeHost::request("GET", "/v1/models", &[("x-infermesh-class-hint", "i")]);
     outside.source = Some("192.168.0.9:1".into());
     Stream::default().on_request_headers(&cfg, &mut outside, true);
@@ -457,7 +472,7 @@ fn without_degraded_routing_the_level_header_is_only_removed() {
     let v: serde_json::Value = serde_json::from_str(CONFIG).expect("json");
     let mut o = v.as_object().cloned().expect("object");
     o.remove("degraded_routing");
-    let cfg = ModuleConfig::new(FilterConfig::parse(serde_json::to_string(&o).expect("json").as_bytes()).expect("config"), &mut |_| None);
+    let cfg = ModuleConfig::new(FilterConfig::parse(serde_json::to_string(&o).expect("json").as_bytes()).expect("config"), &mut |_| None, &table);
     let h = report(&cfg, "interactive;3;r1");
     assert_eq!(h.response.len(), 1);
     assert!(cfg.pools.newest_ms("interactive") == 0);
@@ -842,4 +857,288 @@ fn a_content_rule_decides_on_the_bodys_text() {
     let mut h = FakeHost::request("POST", "/v1/x.Inference/Generate", &[("content-type", "application/grpc")]);
     assert_eq!(Stream::default().on_request_headers(&cfg, &mut h, false), Next::Continue);
     assert_eq!(h.header(HEADER_RULE), Some("default"));
+}
+
+// ---- token budgets (token_budget.rs, docs/token-budgets.md) -------------------------------------
+
+const BUDGET_CONFIG: &str = r#"{
+  "version": 1,
+  "default_class": "batch",
+  "classes": {"interactive": {"pool": "interactive"}, "batch": {"pool": "batch"}},
+  "rules": [
+    {"name": "chat", "class": "interactive", "match": {"methods": ["POST"], "path": {"prefix": "/v1/chat/completions"}}},
+    {"name": "bulk", "class": "batch", "match": {"body": {"stream": false}}}
+  ],
+  "trusted_sources": {"cidrs": ["10.8.0.0/16"]},
+  "budgets": {"tenant": {"header": "x-tenant-id"}, "classes": {
+    "interactive": {"default_max_tokens": 100,
+      "default": {"tokens": {"per_minute": 1000}, "concurrent_streams": 2},
+      "tenants": {"team-a": {"tokens": {"per_minute": 200, "per_day": 100000}}}},
+    "batch": {"tenants": {"team-a": {"tokens": {"per_hour": 50}, "count": {"input": 0, "output": 1}}}}}}
+}"#;
+
+/// 10:00:15 into a minute: the minute window resets in 45 s.
+const T0: u64 = 1_800_000_000_000 - 1_800_000_000_000 % 60_000 + 15_000;
+
+/// A chat of one 5-byte message asking for `max_tokens`: it reserves 5 + 8 + max_tokens.
+fn budgeted_chat(tenant: Option<&str>, source: &str, max_tokens: u64) -> FakeHost {
+    let mut h = chat(format!(r#"{{"max_tokens":{max_tokens},"stream":true,"messages":[{{"role":"user","content":"hello"}}]}}"#).as_bytes());
+    if let Some(t) = tenant {
+        h.push("x-tenant-id", t);
+    }
+    h.source = Some(source.to_string());
+    h.now = Some(T0);
+    h
+}
+
+fn sent_header<'a>(h: &'a FakeHost, name: &str) -> Option<&'a str> {
+    h.sent.as_ref().and_then(|(_, hs, _)| hs.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str()))
+}
+
+fn response(status: &str) -> FakeHost {
+    FakeHost { response: vec![(":status".to_string(), status.to_string())], now: Some(T0), ..Default::default() }
+}
+
+fn record(cfg: &ModuleConfig, class: &str, tenant: &str) -> Record {
+    let mut rec = Record::default();
+    cfg.budgets.update(&record_key(class, tenant), &mut |r| {
+        rec = *r;
+        false
+    });
+    rec
+}
+
+#[test]
+fn a_tenant_over_its_budget_is_refused_before_any_upstream_work_and_another_is_served() {
+    let (cfg, names) = module_of(BUDGET_CONFIG);
+    let trusted = "10.8.0.7:5000";
+    let mut streams = Vec::new();
+    for i in 0..3 {
+        let mut h = budgeted_chat(Some("team-a"), trusted, 50);
+        let mut s = Stream::default();
+        assert_eq!(s.on_request_headers(&cfg, &mut h, false), Next::Wait, "a budgeted class waits for the body");
+        assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Continue, "request {i}: 63 tokens fit");
+        assert_eq!(h.header(HEADER_CLASS), Some("interactive"));
+        let mut r = response("200");
+        s.on_response_headers(&cfg, &mut r);
+        let remaining = 200 - 63 * (i + 1);
+        assert_eq!(r.response_header("x-ratelimit-remaining-tokens"), Some(remaining.to_string()), "the served response says what is left");
+        assert_eq!(r.response_header("x-ratelimit-limit-tokens").as_deref(), Some("200"));
+        assert_eq!(r.response_header("x-ratelimit-reset-tokens").as_deref(), Some("45s"));
+        streams.push(s);
+    }
+    let mut h = budgeted_chat(Some("team-a"), trusted, 50);
+    assert_eq!(decide(&cfg, &mut h), Next::Answered);
+    let (status, _, body) = h.sent.clone().expect("answered");
+    assert_eq!(status, 429);
+    assert_eq!(sent_header(&h, "retry-after"), Some("45"));
+    assert_eq!(sent_header(&h, "x-ratelimit-limit-tokens"), Some("200"));
+    assert_eq!(sent_header(&h, "x-ratelimit-remaining-tokens"), Some("11"));
+    assert_eq!(sent_header(&h, "x-ratelimit-reset-tokens"), Some("45s"));
+    let body: serde_json::Value = serde_json::from_slice(&body).expect("OpenAI error JSON");
+    assert_eq!(body["error"]["code"], "token_budget_exceeded");
+    assert_eq!(body["error"]["type"], "rate_limit_error");
+    assert_eq!(h.header(HEADER_CLASS), None, "nothing written: the request never goes upstream");
+    assert!(counted(&h, &names).contains(&"infermesh.budget_refusals_total.class.interactive.tenant.team-a".to_string()));
+    // Another tenant (not listed: the default budget, its own record) is served.
+    let mut other = budgeted_chat(Some("team-b"), trusted, 50);
+    assert_eq!(decide(&cfg, &mut other), Next::Continue);
+    assert_eq!(record(&cfg, "interactive", "team-a").windows[0].1, 189);
+    for mut s in streams {
+        s.on_stream_end(&cfg);
+    }
+    assert_eq!(record(&cfg, "interactive", "team-a").streams, 0);
+}
+
+#[test]
+fn a_client_cannot_pick_its_tenant_by_sending_the_header() {
+    let (cfg, names) = module_of(BUDGET_CONFIG);
+    // From outside the trust rules the header is removed and the request is `other`'s.
+    let mut h = budgeted_chat(Some("team-b"), "192.168.1.5:4000", 50);
+    assert_eq!(decide(&cfg, &mut h), Next::Continue);
+    assert_eq!(h.header("x-tenant-id"), None, "stripped before it reaches a pool");
+    assert_eq!(record(&cfg, "interactive", "other").windows[0].1, 63);
+    // `other` shares the default budget (1000/min): a client naming itself team-a from outside
+    // still lands there, and cannot spend team-a's.
+    for _ in 0..14 {
+        let mut h = budgeted_chat(Some("team-a"), "192.168.1.5:4000", 50);
+        let mut s = Stream::default();
+        assert_eq!(s.on_request_headers(&cfg, &mut h, false), Next::Wait);
+        s.on_request_body(&cfg, &mut h, true);
+        s.on_stream_end(&cfg);
+    }
+    assert_eq!(record(&cfg, "interactive", "other").windows[0].1, 63 * 15);
+    assert_eq!(record(&cfg, "interactive", "team-a").windows[0].1, 0);
+    let mut h = budgeted_chat(None, "192.168.1.5:4000", 50);
+    assert_eq!(decide(&cfg, &mut h), Next::Answered);
+    assert!(counted(&h, &names).contains(&"infermesh.budget_refusals_total.class.interactive.tenant.other".to_string()));
+    // A trusted source's header is believed, and kept for the sidecar.
+    let mut h = budgeted_chat(Some("team-a"), "10.8.1.1:80", 50);
+    assert_eq!(decide(&cfg, &mut h), Next::Continue);
+    assert_eq!(h.header("x-tenant-id"), Some("team-a"));
+    assert_eq!(record(&cfg, "interactive", "team-a").windows[0].1, 63);
+}
+
+#[test]
+fn an_upstream_error_gives_the_tokens_back_and_the_streams_end_its_slot() {
+    let (cfg, _) = module_of(BUDGET_CONFIG);
+    let trusted = "10.8.0.7:5000";
+    for status in ["503", "429", "400", "504"] {
+        let mut h = budgeted_chat(Some("team-a"), trusted, 150);
+        let mut s = Stream::default();
+        s.on_request_headers(&cfg, &mut h, false);
+        assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Continue);
+        assert_eq!(record(&cfg, "interactive", "team-a").windows[0].1, 163);
+        let mut r = response(status);
+        s.on_response_headers(&cfg, &mut r);
+        assert_eq!(record(&cfg, "interactive", "team-a").windows[0].1, 0, "{status}: nothing was generated");
+        assert_eq!(r.response_header("x-ratelimit-remaining-tokens"), None);
+        s.on_stream_end(&cfg);
+        s.on_stream_end(&cfg);
+        assert_eq!(record(&cfg, "interactive", "team-a"), Record { windows: record(&cfg, "interactive", "team-a").windows, streams: 0 });
+    }
+    // Served: the reservation stays charged (it bounds what was generated).
+    let mut h = budgeted_chat(Some("team-a"), trusted, 150);
+    let mut s = Stream::default();
+    s.on_request_headers(&cfg, &mut h, false);
+    s.on_request_body(&cfg, &mut h, true);
+    s.on_response_headers(&cfg, &mut response("200"));
+    s.on_stream_end(&cfg);
+    assert_eq!(record(&cfg, "interactive", "team-a").windows[0].1, 163);
+    // Concurrent streams of the default budget (2): a third is refused until one ends.
+    let mut open: Vec<Stream> = (0..2)
+        .map(|_| {
+            let mut h = budgeted_chat(Some("team-c"), trusted, 10);
+            let mut s = Stream::default();
+            s.on_request_headers(&cfg, &mut h, false);
+            assert_eq!(s.on_request_body(&cfg, &mut h, true), Next::Continue);
+            s
+        })
+        .collect();
+    let mut third = budgeted_chat(Some("team-c"), trusted, 10);
+    assert_eq!(decide(&cfg, &mut third), Next::Answered);
+    assert_eq!(sent_header(&third, "retry-after"), Some("1"));
+    assert!(String::from_utf8_lossy(&third.sent.as_ref().expect("answered").2).contains("2 streams are already in flight"));
+    // A client that vanished: Envoy destroys the stream with no response at all.
+    open[0].on_stream_end(&cfg);
+    let mut fourth = budgeted_chat(Some("team-c"), trusted, 10);
+    assert_eq!(decide(&cfg, &mut fourth), Next::Continue);
+    open.truncate(0);
+}
+
+#[test]
+fn the_reservation_counts_the_body_weighted_and_a_header_decision_without_a_body_too() {
+    let (cfg, _) = module_of(BUDGET_CONFIG);
+    // batch/team-a counts output only (50 per hour): a body rule's decision reads the body anyway.
+    let mut h = budgeted_chat(Some("team-a"), "10.8.0.1:1", 0);
+    h.request.retain(|(k, _)| k != b":path");
+    h.push(":path", "/v1/completions");
+    h.body = br#"{"stream":false,"prompt":"\u00e9\u4e2d long prompt text","max_tokens":20,"n":2}"#.to_vec();
+    assert_eq!(decide(&cfg, &mut h), Next::Continue);
+    assert_eq!(h.header(HEADER_CLASS), Some("batch"));
+    assert_eq!(record(&cfg, "batch", "team-a").windows[1].1, 40, "output only: n x max_tokens");
+    let mut again = budgeted_chat(Some("team-a"), "10.8.0.1:1", 0);
+    again.request.retain(|(k, _)| k != b":path");
+    again.push(":path", "/v1/completions");
+    again.body = br#"{"stream":false,"prompt":"x","max_tokens":11}"#.to_vec();
+    assert_eq!(decide(&cfg, &mut again), Next::Answered, "40 + 11 > 50 per hour");
+    // Not a generation request: never budgeted, never waits.
+    let mut models = FakeHost::request("GET", "/v1/models", &[("x-tenant-id", "team-a")]);
+    models.source = Some("10.8.0.1:1".into());
+    assert_eq!(Stream::default().on_request_headers(&cfg, &mut models, true), Next::Continue);
+    // A chat whose body is not read (no JSON content type): its length stands for the prompt,
+    // the class default for the completion.
+    let mut raw = budgeted_chat(Some("team-z"), "10.8.0.1:1", 50);
+    raw.request.retain(|(k, _)| k != b"content-type");
+    raw.push("content-type", "text/plain");
+    raw.push("content-length", &raw.body.len().to_string());
+    let len = raw.body.len() as u64;
+    assert_eq!(Stream::default().on_request_headers(&cfg, &mut raw, false), Next::Continue);
+    let mut rec = Record::default();
+    let key = record_key("interactive", &crate::token_budget::charged(&cfg.filter.budgets.as_ref().unwrap().classes["interactive"], Some("team-z")).record);
+    cfg.budgets.update(&key, &mut |r| {
+        rec = *r;
+        false
+    });
+    assert_eq!(rec.windows[0].1, len + 100);
+}
+
+#[test]
+fn an_api_key_tenant_is_the_hash_of_the_key() {
+    let cfg = BUDGET_CONFIG
+        .replace(r#""tenant": {"header": "x-tenant-id"}"#, r#""tenant": {"api_key_hash": true}"#)
+        .replace(r#""team-a": {"tokens": {"per_minute": 200, "per_day": 100000}}"#, r#""8879f6a4ae35c420": {"tokens": {"per_minute": 70}}"#)
+        .replace(r#""team-a": {"tokens": {"per_hour": 50}"#, r#""8879f6a4ae35c420": {"tokens": {"per_hour": 50}"#);
+    let (cfg, names) = module_of(&cfg);
+    let mut h = budgeted_chat(None, "192.168.0.1:1", 50);
+    h.push("authorization", "Bearer sk-team-a");
+    assert_eq!(decide(&cfg, &mut h), Next::Continue, "any source: the key is the tenant");
+    assert_eq!(record(&cfg, "interactive", "8879f6a4ae35c420").windows[0].1, 63);
+    let mut h = budgeted_chat(None, "192.168.0.1:1", 50);
+    h.push("authorization", "Bearer sk-team-a");
+    assert_eq!(decide(&cfg, &mut h), Next::Answered);
+    assert!(counted(&h, &names).contains(&"infermesh.budget_refusals_total.class.interactive.tenant.8879f6a4ae35c420".to_string()));
+    let mut h = budgeted_chat(None, "192.168.0.1:1", 50);
+    h.push("authorization", "Bearer sk-someone-else");
+    assert_eq!(decide(&cfg, &mut h), Next::Continue);
+}
+
+#[test]
+fn the_request_path_never_panics_with_budgets_and_every_slot_comes_back() {
+    let (cfg, names) = module_of(BUDGET_CONFIG);
+    let s = fuzz_seed();
+    let mut r = Rng(s ^ 0xb0d6e7);
+    let names_pool: &[&[u8]] = &[
+        b"x-tenant-id", b"x-tenant-id", b"authorization", b"x-api-key", b"content-type", b"content-length", b"x-infermesh-class", b"\xff",
+    ];
+    let values: &[&[u8]] = &[
+        b"team-a", b"team-b", b"other", b"Bearer k", b"application/json", b"0", b"18446744073709551616", b"\xff", b"", b" 5 ", b"~1",
+    ];
+    let sources: &[Option<&str>] = &[None, Some("10.8.0.1:80"), Some("10.9.0.1:80"), Some("garbage")];
+    let bodies: &[&[u8]] = &[
+        b"", br#"{"max_tokens":18446744073709551615,"n":18446744073709551615,"messages":[{"content":"x"}]}"#, br#"{"max_tokens":-1}"#,
+        br#"{"messages":[{"role":"user","content":"\ud83d\ude00\u00e9"}],"max_completion_tokens":3}"#, b"[", b"{\"prompt\":\"\xff\"}",
+        br#"{"stream":false,"prompt":[1,2,3],"max_tokens":1}"#, br#"{"messages":[{},{},{}],"n":0}"#,
+    ];
+    let statuses = ["200", "429", "503", "", "abc", "99999999999", "302"];
+    let end = std::time::Instant::now() + fuzz_budget();
+    let (mut n, mut refused) = (0u64, 0u64);
+    while std::time::Instant::now() < end {
+        let mut h = FakeHost { source: r.pick(sources).map(str::to_string), now: Some(T0 + r.below(200_000)), ..Default::default() };
+        h.request.push((b":method".to_vec(), r.pick(&[&b"POST"[..], b"GET"]).to_vec()));
+        h.request.push((b":path".to_vec(), r.pick(&[&b"/v1/chat/completions"[..], b"/v1/completions", b"/v1/messages"]).to_vec()));
+        for _ in 0..r.below(5) {
+            h.request.push((r.pick(names_pool).to_vec(), r.bytes(values, 2)));
+        }
+        h.body = r.pick(bodies).to_vec();
+        h.body_cuts = vec![r.below(h.body.len() as u64 + 1) as usize];
+        let trusted = source_is_trusted(&cfg.filter, &h);
+        let mut st = Stream::default();
+        let eos = h.body.is_empty();
+        let mut next = st.on_request_headers(&cfg, &mut h, eos);
+        if next == Next::Wait {
+            next = st.on_request_body(&cfg, &mut h, true);
+        }
+        assert_ne!(next, Next::Wait, "seed {s}");
+        if let Some((status, _, _)) = &h.sent {
+            assert_eq!(*status, 429, "seed {s}");
+            assert!(sent_header(&h, "retry-after").is_some(), "seed {s}: every refusal says when to retry");
+            refused += 1;
+        }
+        if !trusted {
+            assert_eq!(h.header_count("x-tenant-id"), 0, "seed {s}: an outside tenant header passed through");
+        }
+        assert!(h.counted.iter().all(|id| *id < names.len()), "seed {s}: a counter nobody defined");
+        if r.below(3) != 0 {
+            let mut resp = response(*r.pick(&statuses));
+            st.on_response_headers(&cfg, &mut resp);
+        }
+        st.on_stream_end(&cfg);
+        n += 1;
+    }
+    for (class, tenant) in [("interactive", "team-a"), ("interactive", "other"), ("batch", "team-a")] {
+        assert_eq!(record(&cfg, class, tenant).streams, 0, "seed {s}: {class}/{tenant}: every stream's slot came back");
+    }
+    eprintln!("request path fuzz with budgets: seed {s}, {n} requests, {refused} refused");
+    assert!(n > 1000 && refused > 0, "{n} requests, {refused} refused");
 }

@@ -53,7 +53,7 @@ impl<'de> Visitor<'de> for TopVisitor {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<BodyFacts, A::Error> {
         let mut facts = BodyFacts::default();
         // Duplicate keys: the last one wins, as in every JSON library the sidecar might use.
-        let (mut message_chars, mut prompt_chars) = (0u64, 0u64);
+        let (mut message_chars, mut prompt_chars) = ((0u64, 0u64), (0u64, 0u64));
         while let Some(key) = map.next_key::<Key>()? {
             match key {
                 Key::Stream => facts.stream = map.next_value::<Scalar>()?.as_bool(),
@@ -74,7 +74,7 @@ impl<'de> Visitor<'de> for TopVisitor {
                 }
             }
         }
-        facts.prompt_chars = message_chars.saturating_add(prompt_chars);
+        (facts.prompt_chars, facts.prompt_bytes) = add(message_chars, prompt_chars);
         Ok(facts)
     }
 }
@@ -200,13 +200,24 @@ impl<'de> de::Deserialize<'de> for Scalar {
     }
 }
 
+/// Text measured: (characters, UTF-8 bytes).
+type T = (u64, u64);
+
+fn measured(s: &str) -> T {
+    (s.chars().count() as u64, s.len() as u64)
+}
+
+fn add(a: T, b: T) -> T {
+    (a.0.saturating_add(b.0), a.1.saturating_add(b.1))
+}
+
 /// Characters of text in a value: a string, or an array of strings / text parts
 /// (`{"type": "text", "text": "..."}`); token-id arrays count one per token. Other shapes: 0.
 struct TextSeed;
 
 impl<'de> DeserializeSeed<'de> for TextSeed {
-    type Value = u64;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
+    type Value = T;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<T, D::Error> {
         d.deserialize_any(TextVisitor { depth: 0 })
     }
 }
@@ -216,37 +227,39 @@ struct TextVisitor {
 }
 
 impl<'de> Visitor<'de> for TextVisitor {
-    type Value = u64;
+    type Value = T;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("text")
     }
-    fn visit_str<E>(self, s: &str) -> Result<u64, E> {
-        Ok(s.chars().count() as u64)
+    fn visit_str<E>(self, s: &str) -> Result<T, E> {
+        Ok(measured(s))
     }
-    other_scalars!(u64, 0; visit_bool: bool, visit_f64: f64);
-    fn visit_u64<E>(self, _: u64) -> Result<u64, E> {
-        Ok(u64::from(self.depth > 0))
+    other_scalars!(T, (0, 0); visit_bool: bool, visit_f64: f64);
+    fn visit_u64<E>(self, _: u64) -> Result<T, E> {
+        let n = u64::from(self.depth > 0);
+        Ok((n, n))
     }
-    fn visit_i64<E>(self, _: i64) -> Result<u64, E> {
-        Ok(u64::from(self.depth > 0))
+    fn visit_i64<E>(self, _: i64) -> Result<T, E> {
+        let n = u64::from(self.depth > 0);
+        Ok((n, n))
     }
-    fn visit_unit<E>(self) -> Result<u64, E> {
-        Ok(0)
+    fn visit_unit<E>(self) -> Result<T, E> {
+        Ok((0, 0))
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<u64, A::Error> {
-        let mut total: u64 = 0;
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<T, A::Error> {
+        let mut total: T = (0, 0);
         if self.depth >= 1 {
             while seq.next_element::<IgnoredAny>()?.is_some() {}
-            return Ok(0);
+            return Ok((0, 0));
         }
         while let Some(n) = seq.next_element_seed(TextElemSeed { depth: self.depth + 1 })? {
-            total = total.saturating_add(n);
+            total = add(total, n);
         }
         Ok(total)
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<u64, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<T, A::Error> {
         // A content part: only its "text" counts (the last one, if repeated).
-        let mut total: u64 = 0;
+        let mut total: T = (0, 0);
         while let Some(k) = map.next_key::<Key2>()? {
             if k.0 {
                 total = map.next_value_seed(StrLenSeed)?;
@@ -263,8 +276,8 @@ struct TextElemSeed {
 }
 
 impl<'de> DeserializeSeed<'de> for TextElemSeed {
-    type Value = u64;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
+    type Value = T;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<T, D::Error> {
         d.deserialize_any(TextVisitor { depth: self.depth })
     }
 }
@@ -292,31 +305,31 @@ impl<'de> de::Deserialize<'de> for Key2 {
 struct StrLenSeed;
 
 impl<'de> DeserializeSeed<'de> for StrLenSeed {
-    type Value = u64;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
+    type Value = T;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<T, D::Error> {
         match Scalar::deserialize_len(d)? {
             Some(n) => Ok(n),
-            None => Ok(0),
+            None => Ok((0, 0)),
         }
     }
 }
 
 impl Scalar {
-    fn deserialize_len<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    fn deserialize_len<'de, D: Deserializer<'de>>(d: D) -> Result<Option<T>, D::Error> {
         struct V;
         impl<'de> Visitor<'de> for V {
-            type Value = Option<u64>;
+            type Value = Option<T>;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a string")
             }
-            fn visit_str<E>(self, s: &str) -> Result<Option<u64>, E> {
-                Ok(Some(s.chars().count() as u64))
+            fn visit_str<E>(self, s: &str) -> Result<Option<T>, E> {
+                Ok(Some(measured(s)))
             }
-            other_scalars!(Option<u64>, None; visit_bool: bool, visit_u64: u64, visit_i64: i64, visit_f64: f64);
-            fn visit_unit<E>(self) -> Result<Option<u64>, E> {
+            other_scalars!(Option<T>, None; visit_bool: bool, visit_u64: u64, visit_i64: i64, visit_f64: f64);
+            fn visit_unit<E>(self) -> Result<Option<T>, E> {
                 Ok(None)
             }
-            skip_composites!(Option<u64>, None);
+            skip_composites!(Option<T>, None);
         }
         d.deserialize_any(V)
     }
@@ -326,27 +339,27 @@ impl Scalar {
 struct MessagesSeed;
 
 impl<'de> DeserializeSeed<'de> for MessagesSeed {
-    type Value = (u64, u64);
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(u64, u64), D::Error> {
+    type Value = (u64, T);
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(u64, T), D::Error> {
         struct V;
         impl<'de> Visitor<'de> for V {
-            type Value = (u64, u64);
+            type Value = (u64, T);
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a list of messages")
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(u64, u64), A::Error> {
-                let (mut count, mut chars) = (0u64, 0u64);
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(u64, T), A::Error> {
+                let (mut count, mut chars) = (0u64, (0, 0));
                 while let Some(c) = seq.next_element_seed(MessageSeed)? {
                     count += 1;
-                    chars = chars.saturating_add(c);
+                    chars = add(chars, c);
                 }
                 Ok((count, chars))
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(u64, u64), A::Error> {
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(u64, T), A::Error> {
                 while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                Ok((0, 0))
+                Ok((0, (0, 0)))
             }
-            other_scalars!((u64, u64), (0, 0));
+            other_scalars!((u64, T), (0, (0, 0)));
         }
         d.deserialize_any(V)
     }
@@ -356,16 +369,16 @@ impl<'de> DeserializeSeed<'de> for MessagesSeed {
 struct MessageSeed;
 
 impl<'de> DeserializeSeed<'de> for MessageSeed {
-    type Value = u64;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
+    type Value = T;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<T, D::Error> {
         struct V;
         impl<'de> Visitor<'de> for V {
-            type Value = u64;
+            type Value = T;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a message")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<u64, A::Error> {
-                let mut chars = 0u64;
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<T, A::Error> {
+                let mut chars: T = (0, 0);
                 while let Some(k) = map.next_key::<ContentKey>()? {
                     if k.0 {
                         chars = map.next_value_seed(TextSeed)?;
@@ -375,11 +388,11 @@ impl<'de> DeserializeSeed<'de> for MessageSeed {
                 }
                 Ok(chars)
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<u64, A::Error> {
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<T, A::Error> {
                 while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(0)
+                Ok((0, 0))
             }
-            other_scalars!(u64, 0);
+            other_scalars!(T, (0, 0));
         }
         d.deserialize_any(V)
     }
