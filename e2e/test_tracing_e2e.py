@@ -232,7 +232,9 @@ def test_a_chat_is_one_trace_from_envoy_through_the_sidecar_to_vllm(collector, t
     assert all(s["ms"] > 0 for s in (edge, attempt, sidecar, vllm))
     decode = one(spans, lambda s: s["name"] == "infermesh.decode")
     assert start(edge) <= start(attempt) <= start(sidecar) <= start(vllm)
-    assert end(decode) <= end(attempt) <= end(edge)
+    # Not end(attempt) <= end(edge): Envoy finishes its upstream span after the downstream one
+    # (0.5 ms later in two clean-clone runs on 89e6993 and ee57dfc), both its own clock's.
+    assert end(decode) <= end(attempt) and end(decode) <= end(edge)
 
 
 def test_a_grpc_generate_carries_the_trace_in_its_metadata(collector, traced):
