@@ -58,7 +58,7 @@ FILTER_CONFIG = {
 class EnvoyUnderTest:
     def __init__(self, workdir: Path, filter_config: dict | str, pools: dict[str, int], native_rules: bool = True,
                  edit: Callable[[dict], None] | None = None, native_module: Path | None = None,
-                 grpc_pools: dict[str, int] | None = None, edge_paths: tuple[str, ...] = ()):
+                 grpc_pools: dict[str, int] | None = None, edge_paths: tuple[str, ...] = (), concurrency: int = 1):
         """`edit` changes the generated bootstrap before Envoy reads it; `native_module`: the filter
         as that dynamic module (filter.runtime: native) instead of the Wasm build; `grpc_pools`:
         the pools' gRPC fronts (pool -> port; none: no gRPC routes); `edge_paths`: the paths the
@@ -88,7 +88,7 @@ class EnvoyUnderTest:
             boot.write_text(json.dumps(doc))
         self.log_path = workdir / "envoy.log"
         self.proc = subprocess.Popen(
-            [str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", "1", "--log-level", "info"],
+            [str(paths.envoy_binary()), "-c", str(boot), "--use-dynamic-base-id", "--concurrency", str(concurrency), "--log-level", "info"],
             stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
             env=os.environ | native_module_env(native_module) if native_module else None,
         )

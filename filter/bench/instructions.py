@@ -130,6 +130,20 @@ def _content(chars: list[int]):
     return change
 
 
+def _budget(streams: bool):
+    """A token budget on the measured chats' class (token_budget.rs, docs/token-budgets.md): the
+    class's default budget per minute (and, with `streams`, concurrent streams), too large to
+    refuse; every chat is reserved in the shared-data table (and its stream slot given back at
+    the end)."""
+    def change(cfg: dict) -> None:
+        conf = _wasm(cfg)["configuration"]
+        fc = json.loads(conf["value"])
+        default = {"tokens": {"per_minute": 10**12}, "count": {"input": 1, "output": 1}} | ({"concurrent_streams": 10**6} if streams else {})
+        fc["budgets"] = {"tenant": {"header": "x-tenant-id"}, "classes": {"interactive": {"default_max_tokens": 256, "default": default}}}
+        conf["value"] = json.dumps(fc, separators=(",", ":"), sort_keys=True)
+    return change
+
+
 def _istio_hcm(cfg: dict) -> dict:
     (hcm,) = [f["typed_config"] for fc in cfg["static_resources"]["listeners"][0]["filter_chains"] for f in fc["filters"]
               if f["name"] == "envoy.filters.network.http_connection_manager"]
@@ -263,6 +277,8 @@ PROFILE = {
     "body-content-chars": ("body", _content([3, 4])),
     "body-content-words": ("body", _content([0, 0])),
     "body-content-default": ("body", _content([3, 3])),
+    "body-budget": ("body", _budget(streams=True)),
+    "body-budget-tokens": ("body", _budget(streams=False)),
     **{f"body-{part}": ("body", SKIPS[part]) for part in ("no-pause", "no-copy", "no-scan", "no-write")},
     **ISTIO_PROFILE,
 }

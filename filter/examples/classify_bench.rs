@@ -7,6 +7,9 @@
 //! with and without character 3-4-grams, on 2 and 32 KB of prompt text, read up to 4 KB (the
 //! usual `max_text_bytes`) and up to 32 KB; `content` alone runs only that part.
 
+#[path = "common/timing.rs"]
+mod timing;
+
 use infermesh_filter::body::{parse_body, parse_body_keyed};
 use infermesh_filter::prefix_key::PrefixSpec;
 use infermesh_filter::classify::{classify, Body, Content, RequestView};
@@ -39,24 +42,8 @@ fn chat_body(size: usize) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({"model": "llama-3-70b", "stream": true, "max_tokens": 256, "messages": msgs})).unwrap()
 }
 
-/// Microseconds per call of `f`, over at least `ms` milliseconds.
-fn per_call<F: FnMut()>(ms: u128, mut f: F) -> f64 {
-    let mut iters = 1u64;
-    loop {
-        let t = Instant::now();
-        for _ in 0..iters {
-            f();
-        }
-        let el = t.elapsed();
-        if el.as_millis() >= ms {
-            return el.as_secs_f64() * 1e6 / iters as f64;
-        }
-        iters *= 2;
-    }
-}
-
 fn time<F: FnMut()>(label: &str, f: F) -> f64 {
-    let us = per_call(300, f);
+    let us = timing::per_call(300, f);
     println!("{label:60} {us:10.2} us/op");
     us
 }
@@ -121,7 +108,7 @@ fn content_bench() {
                 let features = model.classify_body(&[&body]).features;
                 // The best of 7 rounds: on a shared machine the other rounds measure the neighbours.
                 let best = (0..7)
-                    .map(|_| per_call(50, || {
+                    .map(|_| timing::per_call(50, || {
                         black_box(model.classify_body(&[black_box(&body)]));
                     }))
                     .fold(f64::INFINITY, f64::min);
