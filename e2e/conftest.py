@@ -21,11 +21,16 @@ from infermesh import paths
 from infermesh.launcher import LocalMesh, free_ports, plan_on_free_ports
 
 
-def echo_server(name: str, port: int) -> ThreadingHTTPServer:
+def echo_server(name: str, port: int) -> EchoServer:
+    """An upstream that answers with its name, the path, the headers it got and the body's length;
+    a request may ask for a status (`x-test-status`, default 200) and a delay before the answer
+    (`x-test-delay-ms`). Every request's headers are kept in `seen`, in arrival order."""
     class Echo(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def _reply(self):
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            self.server.seen.append(headers)
             if self.headers.get("transfer-encoding", "").lower() == "chunked":
                 body = b""
                 while True:
@@ -37,14 +42,16 @@ def echo_server(name: str, port: int) -> ThreadingHTTPServer:
                     self.rfile.readline()
             else:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
-            out = json.dumps(
-                {"upstream": name, "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body_len": len(body)}
-            ).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
+            time.sleep(int(headers.get("x-test-delay-ms", "0")) / 1000)
+            out = json.dumps({"upstream": name, "path": self.path, "headers": headers, "body_len": len(body)}).encode()
+            try:
+                self.send_response(int(headers.get("x-test-status", "200")))
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+            except OSError:
+                pass  # the request was cut while it waited (a vanished client)
 
         do_GET = do_POST = do_PUT = _reply
 
@@ -65,6 +72,7 @@ class EchoServer(ThreadingHTTPServer):
 
     def __init__(self, *a, **kw):
         self.connections: set[socket.socket] = set()
+        self.seen: list[dict[str, str]] = []
         super().__init__(*a, **kw)
 
     def kill(self) -> None:

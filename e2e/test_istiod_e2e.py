@@ -449,10 +449,8 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
             s.join(timeout=60)
         answers.sort(key=lambda a: a[0])
         table = [(round(sent, 3), r.status_code, round(took, 3)) for sent, r, took in answers]
-        refused = [(sent, r) for sent, r, _ in answers if r.status_code != 200]
-        if not refused:
-            return None, float("inf"), table
-        return refused[0][1], refused[0][0], table
+        sent, shed = next(((sent, r) for sent, r, _ in answers if r.status_code != 200), (float("inf"), None))
+        return shed, sent, table
 
     def probe_refusals() -> int:
         """The filter's probes answered other than 200 (no healthy host would be Envoy's 503)."""

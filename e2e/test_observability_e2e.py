@@ -157,6 +157,13 @@ def access_lines(path: Path, traces: set[str]) -> dict[str, list[dict]]:
     return out
 
 
+LEVEL = 'max(infermesh_pool_degradation_level{pool="interactive"})'
+# The trip at its worst, as the pools dashboard shows it: critical-only, open breakers.
+TRIP_WORST = {LEVEL: 3,
+              'max(infermesh_breaker_state{pool="interactive", breaker="errors"})': 2,
+              'max(infermesh_breaker_state{pool="batch", breaker="cpu"})': 2}
+
+
 def test_every_panel_and_alert_has_data_and_the_trip_shows(local_mesh, chart):
     mesh = local_mesh
     dashboards, alerts = chart
@@ -193,10 +200,7 @@ def test_every_panel_and_alert_has_data_and_the_trip_shows(local_mesh, chart):
                        what="batch shed at the edge")
             # The trip at its worst is in a scrape before the faults go: scraped every second, a
             # shorter level 3 fell between two scrapes in a clean-clone run (peak 2 of 3 asserted).
-            worst = {'max(infermesh_pool_degradation_level{pool="interactive"})': 3,
-                     'max(infermesh_breaker_state{pool="interactive", breaker="errors"})': 2,
-                     'max(infermesh_breaker_state{pool="batch", breaker="cpu"})': 2}
-            wait_until(lambda: all((r := prom.query(e)) and float(r[0]["value"][1]) == v for e, v in worst.items()), 10, every=0.2,
+            wait_until(lambda: all((r := prom.query(e)) and float(r[0]["value"][1]) == v for e, v in TRIP_WORST.items()), 10, every=0.2,
                        what="Prometheus to scrape the trip at its worst")
             for signal in ("kv_cache", "error_rate"):
                 httpx.delete(mesh.admin_url("interactive") + f"/admin/faults/{signal}", timeout=5)
@@ -231,11 +235,9 @@ def test_every_panel_and_alert_has_data_and_the_trip_shows(local_mesh, chart):
         assert {a["alert"] for a in alerts} >= TRIP_ALERTS
 
         # The trip as the pools dashboard shows it: level 0 before, 3 at its worst, open breakers.
-        lvl = 'max(infermesh_pool_degradation_level{pool="interactive"})'
-        assert peak(prom.query_range(lvl, start, tripped - 1, 1)) == 0
-        assert peak(prom.query_range(lvl, tripped, cleared + 1, 1)) == 3
-        assert peak(prom.query_range('max(infermesh_breaker_state{pool="interactive", breaker="errors"})', tripped, cleared + 1, 1)) == 2
-        assert peak(prom.query_range('max(infermesh_breaker_state{pool="batch", breaker="cpu"})', tripped, cleared + 1, 1)) == 2
+        assert peak(prom.query_range(LEVEL, start, tripped - 1, 1)) == 0
+        for expr, value in TRIP_WORST.items():
+            assert peak(prom.query_range(expr, tripped, cleared + 1, 1)) == value, expr
         assert has_data(prom.query_range('sum(rate(infermesh_sidecar_spilled_in_requests_total{pool="batch", bound_for="interactive"}[10s])) > 0',
                                          tripped, end, 1))
     finally:

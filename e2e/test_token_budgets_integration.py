@@ -1,12 +1,12 @@
 """Integration: token budgets (docs/token-budgets.md) through the real Envoy with the compiled
 filter, in both runtimes (the Wasm module's table in proxy-wasm shared data, the native module's
-process-wide one), in front of small upstreams that answer the status a request asks for
-(`x-test-status`) after the delay it asks for (`x-test-delay-ms`), and report the headers they got.
+process-wide one), in front of echo upstreams (conftest's `echo_server`: the status a request
+asks for in `x-test-status`, after the delay in `x-test-delay-ms`, and the headers they got).
 
 The filter config is the one a policy writes (`Policy.filter_config()`). The trusted hop before
 the mesh is a client bound to 127.0.0.2 (the policy trusts that address only); any other client
-connects from 127.0.0.1. Envoy runs two workers, so the burst test races both on one table. Reservations: a chat of one 5-byte message with `max_tokens: 100`
-reserves 5 + 8 + 100 = 113 tokens. Windows are per day, so no test straddles a window's reset
+connects from 127.0.0.1. Envoy runs two workers, so the burst test races both on one table.
+Reservations: a chat of one 5-byte message with `max_tokens: 100` reserves 5 + 8 + 100 = 113 tokens. Windows are per day, so no test straddles a window's reset
 (short of midnight UTC).
 """
 
@@ -16,10 +16,10 @@ import http.client
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from e2e.conftest import echo_server
 from e2e.test_filter_envoy_integration import RUNTIMES, filter_envoy, filter_stats
 from infermesh.launcher import free_ports
 from infermesh.meshconfig.policy import parse_policy
@@ -50,46 +50,10 @@ COST = 5 + 8 + 100
 TRUSTED, OUTSIDE = "127.0.0.2", "127.0.0.1"
 
 
-class StatusUpstream(ThreadingHTTPServer):
-    """An upstream that answers `x-test-status` (default 200) after `x-test-delay-ms`, with a JSON
-    body naming the headers it got; it counts the requests that reached it."""
-
-    daemon_threads = True
-
-    def __init__(self, name: str, port: int):
-        self.name, self.seen = name, []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                headers = {k.lower(): v for k, v in self.headers.items()}
-                outer.seen.append(headers)
-                time.sleep(int(headers.get("x-test-delay-ms", "0")) / 1000)
-                status = int(headers.get("x-test-status", "200"))
-                out = json.dumps({"upstream": outer.name, "headers": headers, "body_len": len(body)}).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("content-type", "application/json")
-                    self.send_header("content-length", str(len(out)))
-                    self.end_headers()
-                    self.wfile.write(out)
-                except OSError:
-                    pass  # the request was cut (a vanished client)
-
-            def log_message(self, *a):
-                pass
-
-        super().__init__(("127.0.0.1", port), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
 @pytest.fixture(scope="module")
 def status_upstreams():
     ports = dict(zip(("interactive", "batch"), free_ports(2)))
-    servers = {pool: StatusUpstream(pool, port) for pool, port in ports.items()}
+    servers = {pool: echo_server(pool, port) for pool, port in ports.items()}
     yield servers
     for s in servers.values():
         s.shutdown()

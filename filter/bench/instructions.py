@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,26 +100,33 @@ def _no_health_checks(cfg: dict) -> None:
         c.pop("health_checks", None)
 
 
-def _no_probes(cfg: dict) -> None:
+def _filter_config(edit: Callable[[dict], None]) -> Callable[[dict], None]:
+    """A variant's change that edits the filter config (JSON in the Wasm plugin's configuration)."""
+    def change(cfg: dict) -> None:
+        conf = _wasm(cfg)["configuration"]
+        fc = json.loads(conf["value"])
+        edit(fc)
+        conf["value"] = json.dumps(fc, separators=(",", ":"), sort_keys=True)
+    return change
+
+
+@_filter_config
+def _no_probes(fc: dict) -> None:
     """Degraded routing without the probe clusters: no timer, no callouts (the state table is fed
     by the responses' level header alone)."""
-    conf = _wasm(cfg)["configuration"]
-    fc = json.loads(conf["value"])
     for p in fc["degraded_routing"]["pools"].values():
         p.pop("probe_cluster", None)
-    conf["value"] = json.dumps(fc, separators=(",", ":"), sort_keys=True)
 
 
 def _content(chars: list[int]):
     """A content rule first on the chat path (content_classifier.rs, docs/content-classes.md),
     with a model of 16 labels, dim 16384, words 1-2 and `chars`, read up to 4 KB: every chat
     request's text is classified (the rule then falls through: its score is out of reach)."""
-    def change(cfg: dict) -> None:
+    @_filter_config
+    def change(fc: dict) -> None:
         import base64
         import random
 
-        conf = _wasm(cfg)["configuration"]
-        fc = json.loads(conf["value"])
         labels = [f"label{i}" for i in range(16)]
         weights = random.Random(0).randbytes(16384 * len(labels))
         fc["content_model"] = {"version": 1, "labels": labels, "dim": 16384, "word_ngrams": 2, "char_ngrams": chars,
@@ -126,7 +134,6 @@ def _content(chars: list[int]):
                                "weights": base64.b64encode(weights).decode()}
         fc["rules"].insert(0, {"name": "content", "class": "interactive",
                                "match": {"path": {"prefix": "/v1/chat/completions"}, "content": {"label": "label1", "min_score": 1.0}}})
-        conf["value"] = json.dumps(fc, separators=(",", ":"), sort_keys=True)
     return change
 
 
@@ -135,12 +142,10 @@ def _budget(streams: bool):
     class's default budget per minute (and, with `streams`, concurrent streams), too large to
     refuse; every chat is reserved in the shared-data table (and its stream slot given back at
     the end)."""
-    def change(cfg: dict) -> None:
-        conf = _wasm(cfg)["configuration"]
-        fc = json.loads(conf["value"])
+    @_filter_config
+    def change(fc: dict) -> None:
         default = {"tokens": {"per_minute": 10**12}, "count": {"input": 1, "output": 1}} | ({"concurrent_streams": 10**6} if streams else {})
         fc["budgets"] = {"tenant": {"header": "x-tenant-id"}, "classes": {"interactive": {"default_max_tokens": 256, "default": default}}}
-        conf["value"] = json.dumps(fc, separators=(",", ":"), sort_keys=True)
     return change
 
 
