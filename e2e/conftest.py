@@ -116,6 +116,17 @@ def local_mesh(tmp_path_factory) -> LocalMesh:
     yield from running_mesh(E2E_POLICY, tmp_path_factory.mktemp("mesh"))
 
 
+@pytest.fixture
+def mesh_at_rest(local_mesh) -> LocalMesh:
+    """The session mesh with every pool at level 0, for tests of routing at rest. Its breakers
+    read this 2-core machine, which the suite's own work (a gateway's istiod, Helm and Envoy
+    starting; grammar compiles of the tests before) saturates for seconds: the batch CPU breaker
+    (6 s) and the interactive TTFT breaker then shed and degrade, as they should. A routing test
+    waits for them to recover rather than test that (docs/breakers.md, CPU-only machines)."""
+    local_mesh.wait_at_rest(120, why="before a test of routing at rest")
+    return local_mesh
+
+
 @pytest.fixture(scope="session")
 def native_module() -> Path:
     """The filter as a dynamic module (`filter.runtime: native`), built if it is not (incremental)."""

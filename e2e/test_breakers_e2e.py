@@ -37,11 +37,7 @@ def probe_chat(mesh) -> httpx.Response:
 
 
 def wait_recovered(mesh, pool: str, timeout: float = 60) -> None:
-    def recovered() -> bool:
-        s = state(mesh, pool)
-        return s["level"] == 0 and all(b["state"] == "closed" for b in s["breakers"])
-
-    wait_for(recovered, timeout, every=0.5, what=f"{pool} to recover")
+    mesh.wait_at_rest(timeout, [pool], why=f"waiting for {pool} to recover")
 
 
 def test_real_kv_pressure_degrades_to_the_small_model_and_recovers(local_mesh):

@@ -39,7 +39,7 @@ from infermesh.meshconfig.policy import parse_policy
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("mesh_at_rest")]
 
 FILTER_NAME = f"{GATEWAY_NS}.infermesh-filter"  # the EnvoyFilter form's name of the filter (and its ECDS config)
 TRAFFIC_EXTENSION = "extensions.istio.io/trafficextension/"  # Istio's prefix for a translated WasmPlugin's
@@ -387,10 +387,6 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
     def level() -> int:
         return local_mesh.admin_state("interactive")["level"]
 
-    def recovered() -> bool:
-        s = local_mesh.admin_state("interactive")
-        return s["level"] == 0 and all(b["state"] == "closed" for b in s["breakers"])
-
     def degrade() -> float:
         httpx.put(admin + "/admin/faults/error_rate", json={"value": 0.9, "duration_s": 30}, timeout=5)
         wait_for(lambda: level() == 3, 15, every=0.02, what="critical-only")
@@ -398,7 +394,7 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
 
     def recover() -> None:
         httpx.delete(admin + "/admin/faults", timeout=5)
-        wait_for(recovered, 60, every=0.5, what="interactive to recover")
+        local_mesh.wait_at_rest(60, ["interactive"], why="after the faults were cleared")
         wait_for(lambda: served_by(httpx.post(gateway.base_url + "/v1/chat/completions", json=chat, timeout=60)) == "interactive/0",
                  10, every=0.1, what="chats back on interactive")
 
@@ -471,7 +467,6 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
         return sum(int(x.rsplit(": ", 1)[1]) for x in lines if "reason.probe_status" in x or "reason.probe_failed" in x)
 
     try:
-        wait_for(recovered, 60, every=0.5, what="interactive to be at level 0")
         # Under traffic: chats keep flowing (a loop, one at a time) while the pool degrades; the
         # spill and the shed are each timed by their own requests from t0.
         stop = threading.Event()

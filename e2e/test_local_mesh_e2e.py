@@ -20,7 +20,7 @@ from infermesh.launcher import wait_until
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2 as pb
 from infermesh.sidecar.proto.infermesh.v1 import inference_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("mesh_at_rest")]
 
 
 def counter(mesh, pool: str, name: str, **labels) -> float:

@@ -135,11 +135,6 @@ def level(mesh, pool: str) -> int:
     return mesh.admin_state(pool)["level"]
 
 
-def recovered(mesh, pool: str) -> bool:
-    s = mesh.admin_state(pool)
-    return s["level"] == 0 and all(b["state"] == "closed" for b in s["breakers"])
-
-
 def has_data(series: list[dict]) -> bool:
     return any(not math.isnan(float(v)) for s in series for _, v in s["values"])
 
@@ -173,7 +168,7 @@ def test_every_panel_and_alert_has_data_and_the_trip_shows(local_mesh, chart):
     for pool in ("interactive", "batch"):
         fault(mesh, pool, "cpu_load", 0.1)
     for pool in ("interactive", "batch"):
-        wait_until(lambda: recovered(mesh, pool), 60, every=0.5, what=f"{pool} to be healthy before the run")
+        mesh.wait_at_rest(60, [pool], why="before the run")
     prom = mesh.start_prometheus()  # returns once every target was scraped
     try:
         start = time.time()
@@ -207,7 +202,7 @@ def test_every_panel_and_alert_has_data_and_the_trip_shows(local_mesh, chart):
             fault(mesh, "batch", "cpu_load", 0.1)
             cleared = time.time()
             for pool in ("interactive", "batch"):
-                wait_until(lambda: recovered(mesh, pool), 45, every=0.25, what=f"{pool} to recover")
+                mesh.wait_at_rest(45, [pool], why="after the faults were cleared")
             print(f"[observe] both pools recovered {time.time() - cleared:.1f}s after the faults were cleared", flush=True)
             served_again = traffic.count(lambda s: s["headers"].get("x-infermesh-served-by") == "interactive/0")
             wait_until(lambda: traffic.count(lambda s: s["headers"].get("x-infermesh-served-by") == "interactive/0") > served_again,

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from infermesh.meshconfig.envoy_bootstrap import write_bootstrap
 from infermesh.meshconfig.envoy_resources import ACCESS_LOG_ENV, native_module_env
@@ -240,6 +240,28 @@ class LocalMesh:
         """A pool sidecar's GET /admin/state."""
         with urllib.request.urlopen(self.admin_url(pool, replica) + "/admin/state", timeout=5) as r:
             return json.loads(r.read())
+
+    def held_breakers(self, pools: Sequence[str] | None = None) -> list[str]:
+        """What keeps the sidecars of `pools` (all by default) from rest: each breaker that is not
+        closed, as `pool/replica breaker: state (signal value)`, and any level above 0 without one.
+        [] means at rest: every pool at level 0, every breaker closed."""
+        held = []
+        for p in self.plan.pools:
+            if pools is not None and p.name not in pools:
+                continue
+            s = self.admin_state(p.name, p.replica)
+            mine = [f"{p.name}/{p.replica} {b['name']}: {b['state']} ({b['signal']} {b['value']})"
+                    for b in s["breakers"] if b["state"] != "closed"]
+            held += mine or ([f"{p.name}/{p.replica}: level {s['level']}"] if s["level"] else [])
+        return held
+
+    def wait_at_rest(self, timeout: float, pools: Sequence[str] | None = None, why: str = "") -> None:
+        """Wait until `held_breakers(pools)` is empty; the TimeoutError names what still held."""
+        deadline = time.monotonic() + timeout
+        while held := self.held_breakers(pools):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the mesh not at rest after {timeout:g}s{' ' + why if why else ''}: {'; '.join(held)}")
+            time.sleep(0.2)
 
     @staticmethod
     def sidecar_name(pool: str, replica: int = 0) -> str:
