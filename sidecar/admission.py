@@ -130,10 +130,8 @@ class EngineSlots:
     prefill_s: float | None = None
     """EWMA of vLLM's time to a first token per request it had to prefill for it: its own and those
     started before it without a first token yet (time to first token / (ahead + 1))."""
-    prefilling: int = 0
-    """Requests started without a first token yet."""
     in_prefill: list[Waiter] = field(default_factory=list)
-    """Those requests, oldest start first."""
+    """Requests started without a first token yet, oldest start first."""
     busy: int = 0
     waiting: list[Waiter] = field(default_factory=list)
     refused_waiting: int = 0
@@ -149,6 +147,11 @@ class EngineSlots:
     def __post_init__(self) -> None:
         if self.limit is None:
             self.limit = float(max(1, self.slots // COLD_SHARE))
+
+    @property
+    def prefilling(self) -> int:
+        """How many requests started without a first token yet."""
+        return len(self.in_prefill)
 
     # -- measurements ---------------------------------------------------------------------------
 
@@ -176,9 +179,7 @@ class EngineSlots:
     def _prefilled(self, w: Waiter) -> None:
         if w.prefilling:
             w.prefilling = False
-            self.prefilling -= 1
-            if w in self.in_prefill:
-                self.in_prefill.remove(w)
+            self.in_prefill.remove(w)
 
     def missed_first_token(self, seconds: float, target_s: float, started_at: float | None = None, ahead: int = 0) -> None:
         """A request given up at its target without a first token, `seconds` after its start in
@@ -327,7 +328,6 @@ class EngineSlots:
         self.busy += 1
         w.started_at = self.clock()
         w.ahead, w.prefilling = self.prefilling, True
-        self.prefilling += 1
         self.in_prefill.append(w)
         if w.future is not None and not w.future.done():
             w.future.set_result(None)

