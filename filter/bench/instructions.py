@@ -269,6 +269,8 @@ BASELINES = {"istio-headers-no-pools": "istio-no-filter-no-pools"}
 # Profile variants: a run_bench variant with one part changed or taken out, to attribute the
 # body path's cost part by part (docs/filter-benchmark.md, "Where the body path's time goes").
 SKIPS = {part: _skip(part) for part in ("none", "no-pause", "no-copy", "no-scan", "no-write")}
+BUDGET_SKIPS = {part: (lambda skip: lambda cfg: (_budget(streams=False)(cfg), skip(cfg)))(_skip(part))
+                for part in ("none", "no-budget-headers", "no-budget-release", "no-budget-store")}
 PROFILE = {
     "no-filter-no-retry": ("no-filter", _no_retry),
     "body-no-retry": ("body", _no_retry),
@@ -284,6 +286,10 @@ PROFILE = {
     "body-content-default": ("body", _content([3, 3])),
     "body-budget": ("body", _budget(streams=True)),
     "body-budget-tokens": ("body", _budget(streams=False)),
+    # The tokens-only budget with one part of its path left out (the profiling module), and the
+    # profiling module with nothing left out as their baseline: where the budget's cost goes.
+    "body-budget-tokens-profile-module": ("body", BUDGET_SKIPS["none"]),
+    **{f"body-budget-tokens-{part}": ("body", BUDGET_SKIPS[part]) for part in ("no-budget-headers", "no-budget-release", "no-budget-store")},
     **{f"body-{part}": ("body", SKIPS[part]) for part in ("no-pause", "no-copy", "no-scan", "no-write")},
     **ISTIO_PROFILE,
 }
@@ -384,7 +390,8 @@ def main() -> int:
         ap.error(f"--variants: unknown {', '.join(sorted(unknown))}")
     if "wasm-noop" in chosen:
         rb.build_noop()
-    if any(v in PROFILE and PROFILE[v][1] in SKIPS.values() for v in chosen) and not os.environ.get("INFERMESH_PROFILE_WASM"):
+    profiled = [*SKIPS.values(), *BUDGET_SKIPS.values()]
+    if any(v in PROFILE and PROFILE[v][1] in profiled for v in chosen) and not os.environ.get("INFERMESH_PROFILE_WASM"):
         build_profile()
     sizes = [int(x) for x in args.sizes.split(",")]
     results: dict[str, dict] = {}

@@ -18,17 +18,27 @@ pub enum Part {
     Scan,
     /// Writing the decision headers.
     Write,
+    /// Writing a budgeted response's `x-ratelimit-*` headers.
+    BudgetHeaders,
+    /// Giving a budgeted stream's slot back at its end (one shared-data get and set).
+    BudgetRelease,
+    /// The token budget table in shared data: an in-VM table stands in (no host calls).
+    BudgetStore,
 }
 
 static SKIPPED: AtomicU8 = AtomicU8::new(0);
 
-/// The VM configuration: `no-pause`, `no-copy`, `no-scan` or `no-write` (anything else: none).
+/// The VM configuration: `no-pause`, `no-copy`, `no-scan`, `no-write`, `no-budget-headers`,
+/// `no-budget-release` or `no-budget-store` (anything else: none).
 pub fn configure(vm_configuration: Option<&[u8]>) {
     let part = match vm_configuration {
         Some(b"no-pause") => Part::Pause as u8,
         Some(b"no-copy") => Part::Copy as u8,
         Some(b"no-scan") => Part::Scan as u8,
         Some(b"no-write") => Part::Write as u8,
+        Some(b"no-budget-headers") => Part::BudgetHeaders as u8,
+        Some(b"no-budget-release") => Part::BudgetRelease as u8,
+        Some(b"no-budget-store") => Part::BudgetStore as u8,
         _ => 0,
     };
     SKIPPED.store(part, Ordering::Relaxed);
@@ -88,6 +98,11 @@ impl<H: Host> Host for Profiled<'_, H> {
     }
     fn remove_response_header(&mut self, name: &str) {
         self.0.remove_response_header(name)
+    }
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        if !skipped(Part::BudgetHeaders) {
+            self.0.set_response_header(name, value)
+        }
     }
     fn count(&mut self, id: CounterId) {
         self.0.count(id)

@@ -160,6 +160,10 @@ impl RootContext for Root {
                 // rule: start from the shared records again).
                 // Budgets: one shared-data record per (class, tenant), written with CAS by every worker.
                 let budgets = |m: &crate::request_flow::Metrics| -> crate::request_flow::BudgetTable {
+                    #[cfg(feature = "bench-profile")]
+                    if crate::bench_profile::skipped(crate::bench_profile::Part::BudgetStore) {
+                        return Box::new(crate::token_budget::ProcessBudgets::fresh());
+                    }
                     Box::new(SharedBudgets { data: ProxyWasmSharedData, error: m.budget_errors })
                 };
                 self.accepted = Some(Rc::new(Config::new(filter, &mut |n| counter(n), &budgets)));
@@ -321,6 +325,10 @@ impl Context for Request {}
 /// exported, scripts/strip-wasm-exports.py), and the SDK drops it: the budget's stream slot goes back.
 impl Drop for Request {
     fn drop(&mut self) {
+        #[cfg(feature = "bench-profile")]
+        if crate::bench_profile::skipped(crate::bench_profile::Part::BudgetRelease) {
+            return;
+        }
         if let Some(cfg) = &self.accepted {
             self.stream.on_stream_end(&**cfg);
         }
