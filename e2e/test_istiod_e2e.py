@@ -419,15 +419,20 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
     def hc_failures(cluster: str) -> int:
         return cluster_stat(cluster, "health_check.failure")
 
+    def error_of(r: httpx.Response) -> dict | None:
+        """An OpenAI error body's `error` (None: the body is not one, e.g. Envoy's own 503)."""
+        try:
+            err = r.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        return err if isinstance(err, dict) else None
+
     def answered(r: httpx.Response) -> str:
         """Who answered and how: the pool that served, or the refusal's code and message."""
         if r.status_code == 200:
             return r.headers.get("x-infermesh-served-by", "?")
-        try:
-            err = r.json()["error"]
-            return f"{err.get('code')}: {err.get('message', '')[:60]}"
-        except (ValueError, KeyError, TypeError):
-            return r.text[:60]
+        err = error_of(r)
+        return f"{err.get('code')}: {str(err.get('message', ''))[:60]}" if err else r.text[:60]
 
     def mesh_shed(r: httpx.Response) -> bool:
         """Refused by the filter's when_degraded shed (not by a sidecar's own breaker)."""
@@ -438,10 +443,8 @@ def test_a_degraded_pool_spills_and_sheds_through_istiod(gateway, local_mesh):
         the pool: shedding, critical-only, or over its time target while the probes load it)."""
         if r.status_code == 200:
             return served_by(r) == f"{pool}/0"
-        try:
-            return r.json()["error"]["message"].startswith(f"pool {pool} ")
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return False
+        err = error_of(r)
+        return bool(err) and str(err.get("message", "")).startswith(f"pool {pool} ")
 
     def first_routed(t0: float, bound: float, path: str, body: dict, routed, in_flight: int = 8) -> tuple[httpx.Response | None, float, list[tuple[float, int, float, str]]]:
         """The first request by send time whose answer `routed` accepts, and when it was sent

@@ -121,8 +121,7 @@ def vllm_serve(local_mesh):
     local_mesh.kill("vllm-serve-reference")
     # Leave the mesh as found: the first structured-output requests compile grammars (slow
     # TTFTs), which can open the interactive pool's latency breaker; later tests expect it closed.
-    wait_until(lambda: all(local_mesh.admin_state(p.name)["level"] == 0 for p in local_mesh.plan.pools), 120, every=1,
-               what="every pool back to level 0")
+    local_mesh.wait_at_rest(120, why="after the differential tests")
 
 
 def post(base: str, path: str, body: dict, shed_wait_s: float = 0) -> tuple[int, dict | list]:

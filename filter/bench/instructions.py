@@ -149,6 +149,16 @@ def _budget(streams: bool):
     return change
 
 
+def _budget_skip(part: str):
+    """The tokens-only budget, on the profiling module told to leave `part` of it out."""
+    budget, skip = _budget(streams=False), _skip(part)
+
+    def change(cfg: dict) -> None:
+        budget(cfg)
+        skip(cfg)
+    return change
+
+
 def _istio_hcm(cfg: dict) -> dict:
     (hcm,) = [f["typed_config"] for fc in cfg["static_resources"]["listeners"][0]["filter_chains"] for f in fc["filters"]
               if f["name"] == "envoy.filters.network.http_connection_manager"]
@@ -269,8 +279,8 @@ BASELINES = {"istio-headers-no-pools": "istio-no-filter-no-pools"}
 # Profile variants: a run_bench variant with one part changed or taken out, to attribute the
 # body path's cost part by part (docs/filter-benchmark.md, "Where the body path's time goes").
 SKIPS = {part: _skip(part) for part in ("none", "no-pause", "no-copy", "no-scan", "no-write")}
-BUDGET_SKIPS = {part: (lambda skip: lambda cfg: (_budget(streams=False)(cfg), skip(cfg)))(_skip(part))
-                for part in ("none", "no-budget-headers", "no-budget-release", "no-budget-store")}
+
+BUDGET_SKIPS = {part: _budget_skip(part) for part in ("none", "no-budget-headers", "no-budget-release", "no-budget-store")}
 PROFILE = {
     "no-filter-no-retry": ("no-filter", _no_retry),
     "body-no-retry": ("body", _no_retry),
